@@ -1,0 +1,41 @@
+# Two commands do all the set-up on a fresh machine with Python 3.10-3.12 and pip:
+#   make demo   runs the main job (a small ablation sweep on the synthetic backend, W&B offline)
+#   make test   runs the tests (fast tier); make test-slow adds the slow tier
+# Each creates and fills .venv on first use. torch comes first, pinned to the CPU wheel, so that
+# no later requirement can pull a multi-GB CUDA build.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-slow test-verl bench install clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m ablate.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow || test $$? -eq 5  # 5: no slow test collected
+
+test-verl:
+	bash .ci/verl-env.sh
+	.venv-verl/bin/python -m pytest -q tests/verl
+
+bench: $(STAMP)
+	$(BIN)/python bench/bench_policies.py
+
+clean:
+	rm -rf $(VENV) .venv-verl

@@ -1,0 +1,189 @@
+"""Pure functions from tensors to the schema's ``replay/``, ``routing/``, ``mismatch/``, ``load/`` keys.
+
+They run on the device of their inputs and never build a ``[tokens, layers, topk, topk]`` or
+``[tokens, layers, topk, experts]`` tensor: a Qwen3-30B-A3B batch of 262,144 tokens has 100M
+expert ids, and the diagnostics must cost a few passes over them, not a multiple of their size.
+Undefined values (a recall with no mismatched route) are NaN, as the schema allows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ablate.policies.builtin import route_scores
+from ablate.routes import Routes, overlap_count
+
+NAN = float("nan")
+
+
+def _ratio(numerator: Tensor | float, denominator: Tensor | float) -> float:
+    denominator = float(denominator)
+    return float(numerator) / denominator if denominator else NAN
+
+
+def replay_metrics(
+    routes: Routes,
+    mask: Tensor,
+    budget: float,
+    *,
+    fisher_scores: Tensor | None = None,
+    fisher_fallback: bool = False,
+    overlap: Tensor | None = None,
+) -> dict[str, float]:
+    """``replay/`` keys for one replay mask ``[tokens, layers]``.
+
+    ``overlap`` may pass a precomputed :func:`ablate.routes.overlap_count` of rollout and native
+    routes to avoid computing it twice.
+    """
+    mask = mask & routes.valid[:, None]
+    replayed = int(mask.sum())
+    valid_routes = routes.num_valid_routes
+    metrics = {
+        "replay/budget_requested": float(budget),
+        "replay/budget_realized": replayed / valid_routes,
+        "replay/valid_routes": float(valid_routes),
+        "replay/replayed_routes": float(replayed),
+        "replay/override_rate": NAN,
+        "replay/fisher_mass": NAN,
+        "replay/fisher_fallback": float(bool(fisher_fallback)),
+    }
+    if routes.native is not None:
+        if overlap is None:
+            overlap = overlap_count(routes.rollout, routes.native)
+        overridden = (overlap < routes.topk) & mask
+        metrics["replay/override_rate"] = _ratio(overridden.sum(), replayed)
+    if fisher_scores is not None:
+        score = route_scores(fisher_scores, routes)
+        total = score[routes.valid].sum()
+        metrics["replay/fisher_mass"] = _ratio((score * mask).sum(), total)
+    return metrics
+
+
+def routing_metrics(routes: Routes, mask: Tensor, *, overlap: Tensor | None = None) -> dict[str, float]:
+    """``routing/`` keys: rollout versus native routes, and what the mask did about them.
+
+    All NaN when the routes carry no native routes (nothing to compare against).
+    """
+    keys = ("route_mismatch_rate", "token_mismatch_rate", "topk_overlap", "mismatch_recall", "residual_mismatch_rate")
+    if routes.native is None:
+        return {f"routing/{key}": NAN for key in keys}
+    if overlap is None:
+        overlap = overlap_count(routes.rollout, routes.native)
+    valid = routes.valid[:, None]
+    mismatched = (overlap < routes.topk) & valid
+    num_mismatched = mismatched.sum()
+    return {
+        "routing/route_mismatch_rate": _ratio(num_mismatched, routes.num_valid_routes),
+        "routing/token_mismatch_rate": _ratio(mismatched.any(1).sum(), routes.num_valid_tokens),
+        "routing/topk_overlap": _ratio((overlap * valid).sum(dtype=torch.float64), routes.num_valid_routes * routes.topk),
+        "routing/mismatch_recall": _ratio((mismatched & mask).sum(), num_mismatched),
+        "routing/residual_mismatch_rate": _ratio((mismatched & ~mask).sum(), routes.num_valid_routes),
+    }
+
+
+def mismatch_metrics(
+    logp_train: Tensor, logp_rollout: Tensor, valid: Tensor, *, extreme_threshold: float = 2.0
+) -> dict[str, float]:
+    """``mismatch/`` keys from per-token log-probs of the sampled tokens (any matching shape).
+
+    With ``l = logp_train - logp_rollout`` and ``r = exp(l)``: ``kl_k1 = mean(-l)``,
+    ``kl_k2 = mean(l^2 / 2)``, ``kl_k3 = mean(r - 1 - l)`` (Schulman's estimators of
+    ``KL(rollout || train)`` from rollout samples), extreme-token fraction
+    ``mean(max(r, 1/r) > extreme_threshold)``, and mean and max ``|l|``. Means run over valid
+    tokens, in float64 so tiny mismatches are not lost to rounding.
+    """
+    if logp_train.shape != logp_rollout.shape or valid.shape != logp_train.shape:
+        raise ValueError(
+            f"log-prob shapes {tuple(logp_train.shape)} (train), {tuple(logp_rollout.shape)} (rollout) and valid "
+            f"{tuple(valid.shape)} differ: expected one shape"
+        )
+    if extreme_threshold <= 1:
+        raise ValueError(f"extreme_threshold={extreme_threshold}: expected a ratio > 1")
+    log_ratio = (logp_train.double() - logp_rollout.double())[valid.bool()]
+    if log_ratio.numel() == 0:
+        raise ValueError("mismatch metrics need at least one valid token: valid is all False")
+    abs_log_ratio = log_ratio.abs()
+    return {
+        "mismatch/kl_k1": float((-log_ratio).mean()),
+        "mismatch/kl_k2": float((log_ratio.square() / 2).mean()),
+        "mismatch/kl_k3": float(torch.expm1(log_ratio).sub(log_ratio).clamp(min=0).mean()),
+        "mismatch/extreme_token_frac": float((abs_log_ratio > math.log(extreme_threshold)).double().mean()),
+        "mismatch/abs_logratio_mean": float(abs_log_ratio.mean()),
+        "mismatch/abs_logratio_max": float(abs_log_ratio.max()),
+    }
+
+
+def expert_load(routes: Routes, mask: Tensor | None = None) -> Tensor:
+    """``[layers, experts]`` token counts of the routes the training forward used.
+
+    Replayed routes (``mask`` True) use the rollout experts, the others the native experts; with
+    no mask every route is native, and without native routes the rollout experts are counted.
+    """
+    layers, experts = routes.num_layers, routes.num_experts
+    layer_base = (torch.arange(layers, device=routes.device) * experts)[None, :]
+    counts = torch.zeros(layers * experts + 1, dtype=torch.long, device=routes.device)
+    dropped = torch.tensor(layers * experts, device=routes.device)
+    for k in range(routes.topk):
+        if routes.native is None:
+            ids = routes.rollout[..., k]
+        elif mask is None:
+            ids = routes.native[..., k]
+        else:
+            ids = torch.where(mask, routes.rollout[..., k], routes.native[..., k])
+        slot = torch.where(routes.valid[:, None], layer_base + ids.long(), dropped)
+        counts += torch.bincount(slot.reshape(-1), minlength=layers * experts + 1)
+    return counts[:-1].reshape(layers, experts)
+
+
+def load_metrics(load: Tensor) -> dict[str, float]:
+    """``load/`` keys from a ``[layers, experts]`` load, reduced over layers.
+
+    Normalised entropy ``H(p) / log E`` (1 = perfectly balanced), max violation
+    ``max / mean - 1`` (0 = balanced), coefficient of variation ``std / mean`` (population std),
+    and the fraction of (layer, expert) pairs that received no token.
+    """
+    load = load.double()
+    experts = load.shape[1]
+    totals = load.sum(1, keepdim=True)
+    p = load / totals.clamp(min=1)
+    entropy = -(p * p.clamp(min=1e-300).log()).sum(1) / math.log(experts) if experts > 1 else torch.ones(load.shape[0])
+    mean = totals.squeeze(1) / experts
+    violation = load.max(1).values / mean.clamp(min=1e-300) - 1
+    cv = load.std(1, correction=0) / mean.clamp(min=1e-300)
+    return {
+        "load/entropy_norm": float(entropy.mean().clamp(0, 1)),
+        "load/entropy_norm_min": float(entropy.min().clamp(0, 1)),
+        "load/max_violation": float(violation.mean()),
+        "load/max_violation_max": float(violation.max()),
+        "load/cv": float(cv.mean()),
+        "load/dead_expert_frac": float((load == 0).double().mean()),
+    }
+
+
+def route_diagnostics(
+    routes: Routes,
+    mask: Tensor,
+    budget: float,
+    *,
+    logp_train: Tensor | None = None,
+    logp_rollout: Tensor | None = None,
+    fisher_scores: Tensor | None = None,
+    fisher_fallback: bool = False,
+    extreme_threshold: float = 2.0,
+) -> dict[str, float]:
+    """Every ``replay/``, ``routing/``, ``load/`` key, and ``mismatch/`` when log-probs are given.
+
+    Log-probs are per token, ``[tokens]``, aligned with ``routes.valid``.
+    """
+    overlap = overlap_count(routes.rollout, routes.native) if routes.native is not None else None
+    record = replay_metrics(
+        routes, mask, budget, fisher_scores=fisher_scores, fisher_fallback=fisher_fallback, overlap=overlap
+    )
+    record.update(routing_metrics(routes, mask, overlap=overlap))
+    record.update(load_metrics(expert_load(routes, mask)))
+    if logp_train is not None and logp_rollout is not None:
+        record.update(mismatch_metrics(logp_train, logp_rollout, routes.valid, extreme_threshold=extreme_threshold))
+    return record

@@ -1,0 +1,200 @@
+"""Per-(layer, expert) Fisher estimate from per-token squared gradients.
+
+``F[l, e]`` estimates the expected squared gradient of the training objective with respect to
+the parameters (or activations) of expert ``e`` in layer ``l``. It is built from *per-token*
+squared gradients: the square of a batch gradient would let tokens cancel each other and
+measure agreement, not sensitivity. Three estimators give the per-token quantity
+``g2[t, l, e]`` (formulas in the README):
+
+- ``router_logits``: ``(dL/dz[t, l, e])^2`` for router logit ``z``; every token counts for
+  every expert of its layer.
+- ``expert_outputs``: ``||dL/do[t, l, e]||^2`` for the output ``o`` of expert ``e`` on token
+  ``t``; counts only the tokens routed to ``e``.
+- ``expert_params``: ``||dL/dW_e||^2`` restricted to token ``t``, exact for an expert made of
+  linear maps: a linear map ``y = W x`` gives per-token ``||dL/dy||^2 * ||x||^2`` (the
+  "ghost norm"), summed over the expert's maps; counts only routed tokens.
+
+The tracker sums ``g2`` and token counts within a step, turns them into a per-step mean at
+:meth:`FisherTracker.step`, and smooths the means across steps with an exponential moving
+average. A policy reads the estimate of the *previous* step: the mask must exist before the
+training forward pass that produces this step's gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Estimator = Literal["router_logits", "expert_outputs", "expert_params"]
+Normalization = Literal["none", "layer", "global"]
+ESTIMATORS: tuple[str, ...] = ("router_logits", "expert_outputs", "expert_params")
+NORMALIZATIONS: tuple[str, ...] = ("none", "layer", "global")
+
+
+class FisherTracker:
+    """Accumulates per-token squared gradients into a smoothed ``[layers, experts]`` estimate.
+
+    Args:
+        num_layers, num_experts: shape of the estimate.
+        decay: EMA decay across steps, in [0, 1). 0 keeps only the latest step. The EMA is
+            bias-corrected per entry (as in Adam), so early steps are not pulled towards zero.
+        normalize: how :meth:`scores` rescales the estimate: ``"none"``; ``"layer"`` (each layer
+            sums to 1, so every layer competes equally for the budget); ``"global"`` (the whole
+            estimate sums to 1; layers with larger gradients win more routes).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_experts: int,
+        *,
+        decay: float = 0.9,
+        normalize: Normalization = "none",
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay={decay!r} in the Fisher tracker: expected a value in [0, 1)")
+        if normalize not in NORMALIZATIONS:
+            raise ValueError(f"normalize={normalize!r} in the Fisher tracker: expected one of {', '.join(NORMALIZATIONS)}")
+        self.decay = float(decay)
+        self.normalize = normalize
+        shape = (num_layers, num_experts)
+        self._sums = torch.zeros(shape, dtype=torch.float64, device=device)
+        self._counts = torch.zeros(shape, dtype=torch.float64, device=device)
+        self._ema = torch.zeros(shape, dtype=torch.float64, device=device)
+        self._updates = torch.zeros(shape, dtype=torch.long, device=device)
+        self.steps = 0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self._ema.shape)  # type: ignore[return-value]
+
+    @property
+    def has_estimate(self) -> bool:
+        """True once at least one step with gradient information has been closed."""
+        return bool((self._updates > 0).any())
+
+    def accumulate(self, sq_grads: Tensor, weights: Tensor) -> None:
+        """Add one micro-batch of per-token squared gradients.
+
+        Args:
+            sq_grads: ``[tokens, layers, experts]`` per-token squared gradients.
+            weights: broadcastable to ``sq_grads``: which tokens count for which (layer, expert),
+                e.g. ``valid[:, None, None]`` for router logits, or the routed-to indicator
+                ``[tokens, layers, experts]`` for expert estimators. Non-negative; 1 per token.
+        """
+        if sq_grads.dim() != 3 or tuple(sq_grads.shape[1:]) != self.shape:
+            raise ValueError(
+                f"sq_grads has shape {tuple(sq_grads.shape)}: expected [tokens, layers, experts] with "
+                f"[layers, experts]={self.shape}"
+            )
+        weights = weights.to(device=self._sums.device, dtype=torch.float64)
+        sq = sq_grads.detach().to(device=self._sums.device, dtype=torch.float64)
+        self._sums += (sq * weights).sum(0)
+        self._counts += weights.expand_as(sq).sum(0)
+
+    def step(self) -> None:
+        """Close the current step: fold its per-token mean into the EMA, then reset the sums.
+
+        Entries that saw no token this step keep their previous estimate instead of decaying
+        towards zero: an expert nobody routed to has no new evidence, not evidence of zero.
+        """
+        seen = self._counts > 0
+        mean = torch.where(seen, self._sums / self._counts.clamp(min=1), torch.zeros_like(self._sums))
+        self._ema = torch.where(seen, self.decay * self._ema + (1 - self.decay) * mean, self._ema)
+        self._updates += seen.long()
+        self._sums.zero_()
+        self._counts.zero_()
+        self.steps += 1
+
+    def estimate(self) -> Tensor:
+        """Bias-corrected EMA ``[layers, experts]`` (float32), zero where nothing was seen yet."""
+        correction = 1 - self.decay ** self._updates.double()
+        return torch.where(self._updates > 0, self._ema / correction.clamp(min=1e-300), torch.zeros_like(self._ema)).float()
+
+    def scores(self) -> Tensor:
+        """The estimate, normalised as configured: what the ``fisher`` policy ranks by."""
+        estimate = self.estimate()
+        if self.normalize == "layer":
+            return estimate / estimate.sum(1, keepdim=True).clamp(min=torch.finfo(estimate.dtype).tiny)
+        if self.normalize == "global":
+            return estimate / estimate.sum().clamp(min=torch.finfo(estimate.dtype).tiny)
+        return estimate
+
+    def state_dict(self) -> dict[str, object]:
+        return {
+            "decay": self.decay,
+            "normalize": self.normalize,
+            "steps": self.steps,
+            "sums": self._sums.clone(),
+            "counts": self._counts.clone(),
+            "ema": self._ema.clone(),
+            "updates": self._updates.clone(),
+        }
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        ema = state["ema"]
+        assert isinstance(ema, Tensor)
+        if tuple(ema.shape) != self.shape:
+            raise ValueError(f"Fisher state has shape {tuple(ema.shape)}: expected [layers, experts]={self.shape}")
+        self.decay = float(state["decay"])  # type: ignore[arg-type]
+        self.normalize = state["normalize"]  # type: ignore[assignment]
+        self.steps = int(state["steps"])  # type: ignore[arg-type]
+        device = self._ema.device
+        self._sums = state["sums"].to(device)  # type: ignore[union-attr]
+        self._counts = state["counts"].to(device)  # type: ignore[union-attr]
+        self._ema = ema.to(device)
+        self._updates = state["updates"].to(device)  # type: ignore[union-attr]
+
+
+class GradientCapture:
+    """Keeps the gradients of chosen activations during ``backward`` via tensor hooks.
+
+    Usage inside a forward pass: ``logits = capture.watch(layer, logits)``; after
+    ``loss.backward()``, ``capture.stacked()`` gives ``[tokens, layers, ...]`` gradients.
+    Hooks cost one extra reference per tensor and no extra backward pass.
+    """
+
+    def __init__(self) -> None:
+        self.grads: dict[int, Tensor] = {}
+
+    def watch(self, layer: int, tensor: Tensor) -> Tensor:
+        if tensor.requires_grad:
+            tensor.register_hook(lambda grad, layer=layer: self._keep(layer, grad))
+        return tensor
+
+    def _keep(self, layer: int, grad: Tensor) -> None:
+        # A tensor used twice gets two hook calls; their sum is the full gradient.
+        self.grads[layer] = grad.detach() + self.grads[layer] if layer in self.grads else grad.detach()
+
+    def stacked(self) -> Tensor:
+        if not self.grads:
+            raise RuntimeError("no gradient was captured: call watch() in the forward pass and backward() first")
+        return torch.stack([self.grads[layer] for layer in sorted(self.grads)], dim=1)
+
+    def clear(self) -> None:
+        self.grads.clear()
+
+
+def router_logit_sq_grads(logit_grads: Tensor) -> Tensor:
+    """``router_logits`` estimator: ``[tokens, layers, experts]`` squared router-logit gradients."""
+    return logit_grads.float().square()
+
+
+def expert_output_sq_grads(output_grads: Tensor) -> Tensor:
+    """``expert_outputs`` estimator from ``[tokens, layers, experts, hidden]`` output gradients."""
+    return output_grads.float().square().sum(-1)
+
+
+def linear_param_sq_grads(inputs: Tensor, output_grads: Tensor, *, bias: bool = False) -> Tensor:
+    """Per-token ``||dL/dW||^2`` of a linear map ``y = W x (+ b)`` from its input and output grad.
+
+    ``dL/dW`` restricted to token t is the outer product ``dL/dy_t x_t^T``, whose squared
+    Frobenius norm is ``||dL/dy_t||^2 ||x_t||^2``; a bias adds ``||dL/dy_t||^2``. Shapes are
+    ``[..., in]`` and ``[..., out]``; the result drops the last dimension. Sum it over an
+    expert's linear maps for the ``expert_params`` estimator.
+    """
+    grad_sq = output_grads.float().square().sum(-1)
+    return grad_sq * (inputs.float().square().sum(-1) + float(bias))

@@ -1,0 +1,27 @@
+"""Replay policies: one interface, a registry, and the six built-in selections."""
+
+from ablate.policies.base import PolicyError, ReplayPolicy, available_policies, get_policy, register_policy
+from ablate.policies.builtin import (
+    FisherReplay,
+    FullReplay,
+    MismatchReplay,
+    NoReplay,
+    RandomReplay,
+    UniformReplay,
+    route_scores,
+)
+
+__all__ = [
+    "FisherReplay",
+    "FullReplay",
+    "MismatchReplay",
+    "NoReplay",
+    "PolicyError",
+    "RandomReplay",
+    "ReplayPolicy",
+    "UniformReplay",
+    "available_policies",
+    "get_policy",
+    "register_policy",
+    "route_scores",
+]

@@ -1,0 +1,205 @@
+"""Every policy on the hand batch (tests/handbatch.py), then properties over random batches."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from handbatch import FISHER, VALID, hand_routes
+
+from ablate import BudgetError, PolicyError, ReplayPolicy, Routes, get_policy, layer_quotas, register_policy, replay_count
+from ablate.policies import available_policies
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_replay_count_rounds_half_up():
+    routes = hand_routes()  # N = 6
+    assert replay_count(0.25, routes) == 2  # 1.5 + 0.5 = 2.0 -> 2
+    assert replay_count(0.2, routes) == 1  # 1.2 + 0.5 = 1.7 -> 1
+    assert replay_count(0.5, routes) == 3
+    assert replay_count(0.0, routes) == 0 and replay_count(1.0, routes) == 6
+    assert replay_count(0.25, 10) == 3  # 2.5 + 0.5 = 3.0 -> 3 (half up, not banker's)
+    assert replay_count(0.5, routes, per_layer=True) == 3
+
+
+@pytest.mark.parametrize("budget", [1.5, -0.1, float("nan"), "0.5", True, None])
+def test_bad_budget_is_named(budget):
+    with pytest.raises(BudgetError, match="budget=.*policy=random"):
+        get_policy("random").select(hand_routes(), budget)
+
+
+def test_none_and_full_have_fixed_budgets():
+    routes = hand_routes()
+    assert not get_policy("none").select(routes).any()
+    assert torch.equal(get_policy("full").select(routes), VALID[:, None].expand(4, 2))
+    assert torch.equal(get_policy("full").select(routes, 1.0), VALID[:, None].expand(4, 2))
+    with pytest.raises(BudgetError, match=r"budget=0.3 in policy=none: .*budget is 0"):
+        get_policy("none").select(routes, 0.3)
+    with pytest.raises(BudgetError, match=r"budget=0.5 in policy=full"):
+        get_policy("full").select(routes, 0.5)
+
+
+def test_mismatch_replays_largest_disagreement_first():
+    routes = hand_routes()
+    # n = 1: (t1, l0) differs in 2 experts, (t0, l1) in 1 -> only (t1, l0).
+    mask = get_policy("mismatch").select(routes, 0.2, generator=gen())
+    assert mask.tolist() == [[False, False], [True, False], [False, False], [False, False]]
+    # n = 2: both mismatched routes.
+    mask = get_policy("mismatch").select(routes, 0.25, generator=gen())
+    assert mask.tolist() == [[False, True], [True, False], [False, False], [False, False]]
+
+
+def test_mismatch_without_native_routes_is_a_clear_error():
+    with pytest.raises(PolicyError, match="needs native routes"):
+        get_policy("mismatch").select(hand_routes(native=False), 0.5)
+
+
+def test_fisher_takes_the_top_scores():
+    routes = hand_routes()
+    # scores: t0l0=5, t1l0=4, t0l1=3, the rest 1 -> n=3 takes exactly those three.
+    mask = get_policy("fisher", scores=FISHER).select(routes, 0.5, generator=gen())
+    assert mask.tolist() == [[True, True], [True, False], [False, False], [False, False]]
+    # n = 2 -> t0l0 and t1l0.
+    mask = get_policy("fisher", scores=FISHER).select(routes, 0.25, generator=gen())
+    assert mask.tolist() == [[True, False], [True, False], [False, False], [False, False]]
+
+
+def test_fisher_per_layer_quotas():
+    # n = 3 over 2 layers: quotas [1, 2] (the remainder goes to layer floor(0.5 * 2 / 1) = 1).
+    # Layer 0 takes t0 (5); layer 1 takes t0 (3) then one of the tied t1, t2 (score 1 each).
+    mask = get_policy("fisher", scores=FISHER, per_layer=True).select(hand_routes(), 0.5, generator=gen())
+    assert mask[:, 0].tolist() == [True, False, False, False]
+    assert mask[0, 1] and int(mask[:, 1].sum()) == 2 and not mask[3].any()
+
+
+def test_fisher_without_estimate_falls_back_to_random():
+    class Empty:
+        has_estimate = False
+
+        def scores(self):
+            raise AssertionError("must not be read")
+
+    policy = get_policy("fisher", fisher=Empty())
+    mask = policy.select(hand_routes(), 0.5, generator=gen(3))
+    assert policy.info["fisher_fallback"] == 1.0
+    assert torch.equal(mask, get_policy("random").select(hand_routes(), 0.5, generator=gen(3)))
+
+
+def test_fisher_temperature_interpolates_to_random():
+    routes = hand_routes()
+    cold = get_policy("fisher", scores=FISHER, tau=1e-6).select(routes, 0.5, generator=gen(1))
+    assert torch.equal(cold, get_policy("fisher", scores=FISHER).select(routes, 0.5, generator=gen(1)))
+    # With a huge temperature every valid route gets picked in some seed.
+    hot = sum(get_policy("fisher", scores=FISHER, tau=1e6).select(routes, 0.2, generator=gen(s)).int() for s in range(60))
+    assert bool((hot[:3] > 0).all())
+
+
+def test_uniform_is_systematic_sampling_with_seeded_offsets():
+    routes = hand_routes()
+    offsets = torch.rand(2, generator=gen(5)).double()  # the draws the policy makes with this seed
+    mask = get_policy("uniform").select(routes, 0.5, generator=gen(5))
+    # quotas [1, 2] over 3 valid tokens: layer 0 at floor(u0 * 3); layer 1 at floor((u1 + i) * 1.5), i = 0, 1.
+    expected = torch.zeros(4, 2, dtype=torch.bool)
+    expected[int(offsets[0] * 3), 0] = True
+    expected[int(offsets[1] * 1.5), 1] = True
+    expected[int((offsets[1] + 1) * 1.5), 1] = True
+    assert torch.equal(mask, expected)
+
+
+def test_random_is_seeded():
+    routes = hand_routes()
+    masks = {tuple(get_policy("random").select(routes, 0.5, generator=gen(s)).flatten().tolist()) for s in range(30)}
+    assert len(masks) > 5  # different seeds give different masks ...
+    assert torch.equal(  # ... the same seed the same one
+        get_policy("random").select(routes, 0.5, generator=gen(7)), get_policy("random").select(routes, 0.5, generator=gen(7))
+    )
+
+
+def test_registry_errors_and_user_policies():
+    with pytest.raises(PolicyError, match=r"unknown policy 'fishr': expected one of .*fisher"):
+        get_policy("fishr")
+    with pytest.raises(PolicyError, match=r"policy=random got unknown setting\(s\) tau: expected per_layer"):
+        get_policy("random", tau=1.0)
+
+    @register_policy("last_layer_first")
+    class LastLayerFirst(ReplayPolicy):
+        def __init__(self, *, per_layer: bool = False):
+            super().__init__(per_layer=per_layer)
+
+        def route_keys(self, routes, rows, generator):
+            return torch.arange(routes.num_layers, dtype=torch.float32).expand(rows.numel(), -1)
+
+    assert "last_layer_first" in available_policies()
+    mask = get_policy("last_layer_first").select(hand_routes(), 0.5, generator=gen())
+    assert mask[:, 1].tolist() == [True, True, True, False] and not mask[:, 0].any()
+
+
+# ---- properties over random batches ---------------------------------------------------------
+
+
+@st.composite
+def batches(draw):
+    tokens = draw(st.integers(1, 40))
+    layers = draw(st.integers(1, 4))
+    experts = draw(st.integers(2, 9))
+    topk = draw(st.integers(1, min(experts, 4)))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    def draw_routes():
+        return torch.rand(tokens, layers, experts, generator=g).argsort(-1)[..., :topk].to(torch.int16)
+    valid = torch.rand(tokens, generator=g) < draw(st.floats(0.1, 1.0))
+    valid[draw(st.integers(0, tokens - 1))] = True
+    return Routes(rollout=draw_routes(), valid=valid, num_experts=experts, native=draw_routes())
+
+
+BUDGETED = ["random", "uniform", "fisher", "mismatch"]
+
+
+def make(name: str, routes: Routes, per_layer: bool) -> ReplayPolicy:
+    if name == "fisher":
+        return get_policy(name, scores=torch.rand(routes.num_layers, routes.num_experts), per_layer=per_layer)
+    return get_policy(name) if name == "uniform" else get_policy(name, per_layer=per_layer)
+
+
+@settings(max_examples=60, deadline=None)
+@given(routes=batches(), budget=st.floats(0.0, 1.0), seed=st.integers(0, 1000), per_layer=st.booleans())
+def test_every_policy_replays_exactly_the_budget(routes, budget, seed, per_layer):
+    for name in BUDGETED:
+        policy = make(name, routes, per_layer)
+        mask = policy.select(routes, budget, generator=gen(seed))
+        assert mask.dtype == torch.bool and mask.shape == (routes.num_tokens, routes.num_layers)
+        assert int(mask.sum()) == replay_count(budget, routes), name
+        assert not bool((mask & ~routes.valid[:, None]).any()), name
+        assert torch.equal(mask, policy.select(routes, budget, generator=gen(seed))), name
+        if per_layer or name == "uniform":
+            quotas = layer_quotas(replay_count(budget, routes), routes.num_layers, routes.num_valid_tokens)
+            assert mask.sum(0).tolist() == quotas.tolist(), name
+
+
+@settings(max_examples=60, deadline=None)
+@given(routes=batches(), budget=st.floats(0.0, 1.0), seed=st.integers(0, 1000), data=st.data())
+def test_one_hot_fisher_replays_routes_with_the_hot_expert_first(routes, budget, seed, data):
+    layer = data.draw(st.integers(0, routes.num_layers - 1))
+    expert = data.draw(st.integers(0, routes.num_experts - 1))
+    scores = torch.zeros(routes.num_layers, routes.num_experts)
+    scores[layer, expert] = 1.0
+    mask = get_policy("fisher", scores=scores).select(routes, budget, generator=gen(seed))
+    hot = torch.zeros_like(mask)
+    hot[:, layer] = (routes.rollout[:, layer] == expert).any(-1) & routes.valid
+    n, num_hot = int(mask.sum()), int(hot.sum())
+    if n <= num_hot:
+        assert not bool((mask & ~hot).any())  # only hot routes
+    else:
+        assert bool((mask | ~hot).all())  # every hot route, then the rest
+
+
+def test_policies_run_on_the_device_of_their_inputs():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device on this machine; the CPU path is covered everywhere else")
+    routes = hand_routes()
+    cuda = Routes(rollout=routes.rollout.cuda(), valid=routes.valid.cuda(), num_experts=4, native=routes.native.cuda())
+    for name in BUDGETED:
+        mask = make(name, cuda, False).select(cuda, 0.5, generator=gen(0))
+        assert mask.device.type == "cuda"
