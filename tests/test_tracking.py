@@ -1,0 +1,338 @@
+"""The W&B tracker and the offline run reader, against real wandb 0.31 (no mocks of wandb).
+
+Only failures are injected (a closed port for the server, a raising ``log``); every run here is
+a real offline run written by ``wandb-core`` and read back from its ``.wandb`` file.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import socket
+import struct
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+from wandb.proto import wandb_internal_pb2 as pb
+
+from ablate.tracking import (
+    WandbTracker,
+    find_offline_runs,
+    history_frame,
+    is_complete,
+    read_offline_run,
+    start_tracker,
+)
+from ablate.tracking.logfile import BLOCK_SIZE
+
+CONFIG = {
+    "policy": "fisher",
+    "budget": 0.25,
+    "seed": 3,
+    "backend": "synthetic",
+    "schema_version": 1,
+    "fisher/tau": 0.0,
+    "train.lr": 1e-3,
+    "tags_list": [1, 2],
+}
+
+
+@pytest.fixture(autouse=True)
+def isolated_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep wandb away from the user's home, account and server."""
+    home = tmp_path / "wandb_home"
+    for name, sub in [
+        ("WANDB_DIR", "dir"),
+        ("WANDB_CONFIG_DIR", "config"),
+        ("WANDB_CACHE_DIR", "cache"),
+        ("WANDB_DATA_DIR", "data"),
+    ]:
+        (home / sub).mkdir(parents=True)
+        monkeypatch.setenv(name, str(home / sub))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_ENTITY", "WANDB_PROJECT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def start(
+    cell_dir: Path, name: str = "fisher-b0.25-s3", mode: str = "offline", **overrides: object
+) -> WandbTracker:
+    options = dict(
+        mode=mode,
+        project="ablate",
+        entity=None,
+        tags=["smoke", "fisher"],
+        run_dir=cell_dir,
+        group="smoke",
+        job_type="fisher",
+        name=name,
+        config=CONFIG,
+        init_timeout=30.0,
+    )
+    options.update(overrides)
+    return start_tracker(**options)
+
+
+def metrics_at(step: int) -> dict[str, float]:
+    return {
+        "train/reward": 0.1 * step,
+        "routing/route_mismatch_rate": 1.0 / (step + 1),
+        "replay/valid_routes": 100 + step,
+    }
+
+
+def run_cell(cell_dir: Path, name: str, steps: int = 5) -> WandbTracker:
+    tracker = start(cell_dir, name)
+    for step in range(steps):
+        tracker.log(metrics_at(step), step=step)
+    tracker.finish(summary={"final_reward": 0.4}, exit_code=0)
+    return tracker
+
+
+def test_offline_runs_back_to_back_read_back_whole(tmp_path: Path) -> None:
+    first = run_cell(tmp_path / "cell-a", "fisher-b0.25-s3")
+    second = run_cell(tmp_path / "cell-b", "random-b0.25-s3", steps=3)
+
+    assert first.warnings == [] and second.warnings == []
+    assert first.run_path.parent == tmp_path / "cell-a" / "wandb"
+    assert find_offline_runs(tmp_path) == sorted([first.run_path, second.run_path])
+
+    run = read_offline_run(first.run_path)
+    assert run.complete and run.exit_code == 0 and run.problem is None
+    assert (run.name, run.group, run.job_type, run.project) == (
+        "fisher-b0.25-s3",
+        "smoke",
+        "fisher",
+        "ablate",
+    )
+    assert run.tags == ["smoke", "fisher"]
+    assert run.config == CONFIG
+    assert [row["step"] for row in run.history] == list(range(5))
+    for row in run.history:
+        assert row == {"step": row["step"], **metrics_at(row["step"])}
+    assert run.summary["final_reward"] == 0.4
+    assert run.summary["train/reward"] == pytest.approx(0.4)  # W&B's last-value summary
+
+    frame = history_frame(run)
+    assert list(frame.columns) == ["step", *sorted(metrics_at(0))]
+    assert frame["replay/valid_routes"].tolist() == [100, 101, 102, 103, 104]
+
+    other = read_offline_run(next(second.run_path.glob("run-*.wandb")))  # the file itself
+    assert other.complete and other.name == "random-b0.25-s3" and len(other.history) == 3
+    assert other.run_id != run.run_id
+
+
+def test_finish_is_idempotent_and_records_the_exit_code(tmp_path: Path) -> None:
+    tracker = start(tmp_path)
+    tracker.log({"train/loss": float("nan")}, step=0)
+    tracker.finish(exit_code=1)
+    tracker.finish(exit_code=0)
+    tracker.log({"train/loss": 1.0}, step=1)  # after finish: dropped, not an error
+
+    run = read_offline_run(tracker.run_path)
+    assert run.complete and run.exit_code == 1
+    assert len(run.history) == 1 and math.isnan(run.history[0]["train/loss"])
+
+
+def test_history_frame_merges_logs_of_the_same_step(tmp_path: Path) -> None:
+    tracker = start(tmp_path)
+    tracker.log({"train/reward": 1.0}, step=0)
+    tracker.log({"train/loss": 2.0}, step=0)
+    tracker.log({"train/reward": 3.0, "train/loss": 4.0}, step=1)
+    tracker.finish()
+    frame = history_frame(read_offline_run(tracker.run_path))
+    assert frame.to_dict("records") == [
+        {"step": 0, "train/loss": 2.0, "train/reward": 1.0},
+        {"step": 1, "train/loss": 4.0, "train/reward": 3.0},
+    ]
+
+
+def test_records_longer_than_a_block_survive_the_framing(tmp_path: Path) -> None:
+    long_text = "x" * (3 * BLOCK_SIZE)  # forces FIRST, MIDDLE and LAST chunks
+    tracker = start(tmp_path, config={"note": long_text})
+    tracker.log({"train/reward": 1.0}, step=0)
+    tracker.finish()
+    run = read_offline_run(tracker.run_path)
+    assert run.config["note"] == long_text and run.complete
+
+
+def test_truncated_log_gives_the_whole_records_and_is_incomplete(tmp_path: Path) -> None:
+    tracker = start(tmp_path / "cell")
+    for step in range(40):
+        tracker.log(metrics_at(step), step=step)
+    tracker.finish()
+    assert tracker.warnings == []
+    full = read_offline_run(tracker.run_path)
+    data = full.path.read_bytes()
+
+    cut = tmp_path / "cut.wandb"
+    seen = []  # (rows read, complete) per cut, in order of cut size
+    for size in range(7, len(data), max(1, len(data) // 60)):
+        cut.write_bytes(data[:size])
+        run = read_offline_run(cut)
+        assert run.complete == (run.exit_code is not None)
+        assert run.history == full.history[: len(run.history)]  # a prefix, never garbage
+        seen.append((len(run.history), run.complete))
+    assert seen[0] == (0, False)
+    assert any(0 < rows < 40 and not complete for rows, complete in seen)
+    assert [complete for _, complete in seen] == sorted(complete for _, complete in seen)
+
+    cut.write_bytes(data[: len(data) // 2 + 3])  # most likely mid-chunk, surely before the exit
+    run = read_offline_run(cut)
+    assert not run.complete and run.exit_code is None and 0 < len(run.history) < 40
+
+
+def append_full_chunk(data: bytes, payload: bytes) -> bytes:
+    """``data`` plus one FULL chunk, padded to the next block as wandb-core's writer does."""
+    room = BLOCK_SIZE - len(data) % BLOCK_SIZE
+    if room < 7 + len(payload):
+        data += bytes(room)
+    header = struct.pack("<IHB", zlib.crc32(payload, zlib.crc32(bytes((1,)))), len(payload), 1)
+    return data + header + payload
+
+
+def fill_block_but(data: bytes, spare: int) -> bytes:
+    """``data`` plus a valid record that leaves ``spare`` bytes at the end of its block."""
+    target = BLOCK_SIZE - len(data) % BLOCK_SIZE - 7 - spare
+    line = "x" * target
+    while len(pb.Record(output_raw=pb.OutputRawRecord(line=line)).SerializeToString()) > target:
+        line = line[:-1]
+    filler = pb.Record(output_raw=pb.OutputRawRecord(line=line)).SerializeToString()
+    assert len(filler) == target
+    return append_full_chunk(data, filler)
+
+
+def test_records_after_the_exit_record_keep_the_run_complete(tmp_path: Path) -> None:
+    """Records wandb-core produces in the background may follow the exit record."""
+    tracker = run_cell(tmp_path / "cell", "fisher-b0.25-s3", steps=2)
+    data = read_offline_run(tracker.run_path).path.read_bytes()
+    late = pb.Record(environment=pb.EnvironmentRecord(os="Linux", python="3.11"))
+    # The last two variants first leave a zeroed chunk header, then a tail too short for one.
+    for variant in (data, fill_block_but(data, 10), fill_block_but(data, 3)):
+        late_log = tmp_path / "late" / "run-late.wandb"
+        late_log.parent.mkdir(exist_ok=True)
+        late_log.write_bytes(append_full_chunk(variant, late.SerializeToString()))
+        assert is_complete(late_log.parent)
+        run = read_offline_run(late_log)
+        assert run.complete and run.problem is None and len(run.history) == 2
+
+
+def test_corrupt_chunk_stops_reading_with_a_problem(tmp_path: Path) -> None:
+    tracker = run_cell(tmp_path / "cell", "fisher-b0.25-s3", steps=10)
+    data = bytearray(read_offline_run(tracker.run_path).path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    corrupt = tmp_path / "corrupt.wandb"
+    corrupt.write_bytes(bytes(data))
+
+    run = read_offline_run(corrupt)
+    assert not run.complete
+    assert "checksum mismatch" in run.problem and str(corrupt) in run.problem
+
+
+def test_a_file_that_is_not_a_wandb_log_is_rejected_by_path(tmp_path: Path) -> None:
+    garbage = tmp_path / "run-garbage.wandb"
+    garbage.write_bytes(b"this is not a W&B transaction log at all")
+    with pytest.raises(ValueError, match="not a W&B transaction log") as error:
+        read_offline_run(garbage)
+    assert str(garbage) in str(error.value)
+
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    with pytest.raises(ValueError, match=r"expected exactly one \*\.wandb file"):
+        read_offline_run(empty_dir)
+
+
+def test_disabled_mode_writes_nothing(tmp_path: Path) -> None:
+    cell_dir = tmp_path / "cell"
+    cell_dir.mkdir()
+    tracker = start(cell_dir, mode="disabled")
+    tracker.log(metrics_at(0), step=0)
+    tracker.finish(summary={"final_reward": 0.4})
+    assert tracker.run_path is None and tracker.warnings == [] and not tracker.active
+    assert list(cell_dir.iterdir()) == []
+
+
+def test_unknown_mode_and_reserved_key_are_caller_bugs(tmp_path: Path) -> None:
+    expected = r"mode='dryrun': expected one of offline, online, disabled"
+    with pytest.raises(ValueError, match=expected):
+        start(tmp_path, mode="dryrun")
+    tracker = start(tmp_path, mode="disabled")
+    with pytest.raises(ValueError, match="reserved key 'step'"):
+        tracker.log({"step": 3}, step=3)
+
+
+def test_unreachable_server_costs_a_warning_not_the_cell(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with socket.socket() as probe:  # a port nobody listens on once the probe is closed
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef0123456789abcdef01234567")
+
+    began = time.monotonic()
+    tracker = start(tmp_path, mode="online", init_timeout=2.0)
+    tracker.log(metrics_at(0), step=0)
+    tracker.finish(summary={"final_reward": 0.4})
+    assert time.monotonic() - began < 60
+    assert not tracker.active and tracker.run_path is None
+    assert len(tracker.warnings) == 1 and "W&B init failed (mode=online)" in tracker.warnings[0]
+
+
+def test_a_failing_log_stops_logging_but_still_closes_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    tracker = start(tmp_path)
+    tracker.log(metrics_at(0), step=0)
+
+    def broken_log(*args: object, **kwargs: object) -> None:
+        raise ConnectionError("wandb-core went away")
+
+    monkeypatch.setattr(tracker._run, "log", broken_log)
+    tracker.log(metrics_at(1), step=1)
+    tracker.log(metrics_at(2), step=2)
+    tracker.finish(summary={"final_reward": 0.4})
+
+    assert len(tracker.warnings) == 1
+    assert "step 1" in tracker.warnings[0] and "wandb-core went away" in tracker.warnings[0]
+    assert "wandb-core went away" in caplog.text
+    run = read_offline_run(tracker.run_path)
+    assert run.complete and [row["step"] for row in run.history] == [0]
+
+
+def test_a_failing_finish_is_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tracker = start(tmp_path)
+    real_finish = tracker._run.finish
+
+    def broken_finish(*args: object, **kwargs: object) -> None:
+        real_finish(*args, **kwargs)  # close the real run so it does not leak into later tests
+        raise TimeoutError("Timed out finishing run.")
+
+    monkeypatch.setattr(tracker._run, "finish", broken_finish)
+    tracker.finish()
+    tracker.finish()
+    assert len(tracker.warnings) == 1 and "W&B finish failed" in tracker.warnings[0]
+
+
+def test_find_offline_runs_ignores_unrelated_files(tmp_path: Path) -> None:
+    tracker = run_cell(tmp_path / "sweep" / "cell", "fisher-b0.25-s3", steps=1)
+    (tmp_path / "sweep" / "notes.txt").write_text("not a run")
+    copy = tmp_path / "archive" / "run-copy"
+    shutil.copytree(tracker.run_path, copy)
+    assert find_offline_runs(tmp_path) == sorted([copy, tracker.run_path])
+
+
+def test_a_log_that_never_completes_is_a_bounded_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("ablate.tracking.wandb_run.is_complete", lambda path: False)
+    tracker = start(tmp_path, flush_timeout=0.2)
+    began = time.monotonic()
+    tracker.finish()
+    assert time.monotonic() - began < 10
+    assert (
+        len(tracker.warnings) == 1
+        and "has no exit record 0.2 s after finish" in tracker.warnings[0]
+    )
