@@ -1,0 +1,29 @@
+"""Analysis of a sweep: outcomes per cell, summary tables, effects with intervals, plots.
+
+``load_runs`` -> ``summarize`` / ``effects`` is the main path (see ``ablate-analyze`` for the
+command-line version). Submodules are imported on first use, so ``import ablate.analysis``
+stays light and plotting (matplotlib) or W&B code loads only when asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "load_runs": "ablate.analysis.load",
+    "summarize": "ablate.analysis.tables",
+    "effects": "ablate.analysis.tables",
+    "cell_outcomes": "ablate.analysis.outcomes",
+    "OUTCOME_NAMES": "ablate.analysis.outcomes",
+    "flag_policies": "ablate.analysis.flags",
+    "export_table": "ablate.analysis.export",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'ablate.analysis' has no attribute {name!r}")

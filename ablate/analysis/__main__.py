@@ -1,0 +1,3 @@
+from ablate.analysis.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,86 @@
+"""Write analysis tables as CSV, Parquet, Markdown and LaTeX.
+
+Markdown and LaTeX are rendered here (plain pipe tables; a booktabs ``tabular``) so that
+neither ``tabulate`` nor ``jinja2`` is needed. Index levels become ordinary leading columns.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Iterable
+
+import pandas as pd
+
+FORMATS: dict[str, str] = {"csv": ".csv", "parquet": ".parquet", "md": ".md", "latex": ".tex"}
+
+
+def export_table(
+    table: pd.DataFrame,
+    path_stem: str | Path,
+    formats: Iterable[str] = ("csv", "parquet", "md", "latex"),
+) -> list[Path]:
+    """Write ``table`` to ``<path_stem>.<ext>`` for each format; returns the written paths."""
+    stem = Path(path_stem)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    flat = _flat(table)
+    written = []
+    for fmt in formats:
+        if fmt not in FORMATS:
+            raise ValueError(f"format={fmt!r}: expected one of {sorted(FORMATS)}")
+        path = stem.with_name(stem.name + FORMATS[fmt])
+        if fmt == "csv":
+            flat.to_csv(path, index=False)
+        elif fmt == "parquet":
+            flat.to_parquet(path, index=False)
+        elif fmt == "md":
+            path.write_text(to_markdown(table) + "\n")
+        else:
+            path.write_text(to_latex(table) + "\n")
+        written.append(path)
+    return written
+
+
+def to_markdown(table: pd.DataFrame, digits: int = 4) -> str:
+    """A GitHub pipe table; floats with ``digits`` significant digits, NaN as an empty cell."""
+    flat = _flat(table)
+    header = [str(c) for c in flat.columns]
+    body = [[_cell(v, digits).replace("|", "\\|") for v in row] for row in flat.itertuples(index=False)]
+    align = ["---:" if pd.api.types.is_numeric_dtype(flat[c]) else ":---" for c in flat.columns]
+    lines = [header, align, *body]
+    return "\n".join("| " + " | ".join(line) + " |" for line in lines)
+
+
+def to_latex(table: pd.DataFrame, digits: int = 4) -> str:
+    """A booktabs ``tabular`` (needs ``\\usepackage{booktabs}``), special characters escaped."""
+    flat = _flat(table)
+    spec = "".join("r" if pd.api.types.is_numeric_dtype(flat[c]) else "l" for c in flat.columns)
+    lines = [f"\\begin{{tabular}}{{{spec}}}", "\\toprule"]
+    lines.append(" & ".join(_latex_escape(str(c)) for c in flat.columns) + " \\\\")
+    lines.append("\\midrule")
+    for row in flat.itertuples(index=False):
+        lines.append(" & ".join(_latex_escape(_cell(v, digits)) for v in row) + " \\\\")
+    lines += ["\\bottomrule", "\\end{tabular}"]
+    return "\n".join(lines)
+
+
+def _flat(table: pd.DataFrame) -> pd.DataFrame:
+    has_named_index = any(name is not None for name in table.index.names)
+    return table.reset_index() if has_named_index else table.reset_index(drop=True)
+
+
+def _cell(value: object, digits: int) -> str:
+    if isinstance(value, float):
+        return "" if math.isnan(value) else f"{value:.{digits}g}"
+    return "" if value is None else str(value)
+
+
+_LATEX_SPECIALS = {
+    "\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#",
+    "_": r"\_", "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}",
+    "<": r"\textless{}", ">": r"\textgreater{}",
+}
+
+
+def _latex_escape(text: str) -> str:
+    return "".join(_LATEX_SPECIALS.get(ch, ch) for ch in text)

@@ -1,0 +1,184 @@
+"""Per-cell outcomes: one number per question, computed from a cell's per-step records.
+
+The input is a cell's records frame (``records.parquet`` in the run store): one row per
+training step, a ``step`` column and the schema-v1 diagnostics keys. Rows are sorted by
+``step`` first. Every outcome is NaN-safe: NaN values are ignored, and an outcome whose input
+column is missing (or holds no finite value) is NaN, never an error.
+
+Outcomes (the names are a public contract):
+
+``final_reward``
+    Mean of ``train/reward`` over the last ``final_fraction`` of the steps: the last
+    ``ceil(final_fraction * n_steps)`` rows (at least one).
+``reward_auc``
+    Area under the reward curve divided by the step span,
+    ``trapz(reward, step) / (step_last - step_first)``: the time-averaged reward over
+    training, in reward units. With a single finite value it is that value.
+``reward_late_gain``
+    ``final_reward`` minus the mean reward over the window of the same length just before it:
+    how much the policy was still improving at the end (used by the "too restrictive" flag).
+    NaN when there are fewer than two windows of steps.
+``kl_k3_mean`` / ``kl_k3_worst``
+    Mean and maximum over steps of ``mismatch/kl_k3`` (train-inference KL after replay,
+    k3 estimator ``mean(r - 1 - log r)``).
+``extreme_token_frac_mean``
+    Mean over steps of ``mismatch/extreme_token_frac`` (share of tokens with
+    ``max(r, 1/r) > 2``).
+``override_rate_mean``
+    Mean over steps of ``replay/override_rate`` (share of replayed routes whose rollout route
+    differed from the native route). NaN for ``none``, which replays nothing.
+``expert_drift_final``
+    Last finite value of ``drift/experts`` (relative change of expert parameters since step 0).
+``residual_mismatch_mean``
+    Mean over steps of ``routing/residual_mismatch_rate`` (mismatched routes left after replay).
+``collapsed``
+    1.0 if the run collapsed, else 0.0 (NaN without reward data). Rule: smooth the reward with
+    a trailing moving average over ``smoothing_window`` steps; let ``best`` be its maximum
+    (first occurrence) and ``start`` its first value; the collapse threshold is
+    ``best - (1 - collapse_fraction) * scale`` with ``scale = max(best - start, |best|)``.
+    The run collapsed if, after the step of ``best``, the smoothed reward stays below the
+    threshold for at least ``collapse_patience`` consecutive steps. For rewards that are never
+    negative this is exactly "falls below ``collapse_fraction * best``"; for rewards that can be
+    negative it means "lost more than ``1 - collapse_fraction`` of the larger of its gain and its
+    magnitude", so a sign change alone never decides it. ``scale == 0`` (a run stuck at zero)
+    never counts as collapsed.
+
+Only numpy and pandas are imported here: the cell runner calls :func:`cell_outcomes` to write
+each cell's ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+REWARD_KEY = "train/reward"
+KL_K3_KEY = "mismatch/kl_k3"
+EXTREME_KEY = "mismatch/extreme_token_frac"
+OVERRIDE_KEY = "replay/override_rate"
+EXPERT_DRIFT_KEY = "drift/experts"
+RESIDUAL_KEY = "routing/residual_mismatch_rate"
+
+OUTCOME_NAMES: tuple[str, ...] = (
+    "final_reward",
+    "reward_auc",
+    "reward_late_gain",
+    "collapsed",
+    "kl_k3_mean",
+    "kl_k3_worst",
+    "extreme_token_frac_mean",
+    "override_rate_mean",
+    "expert_drift_final",
+    "residual_mismatch_mean",
+)
+
+
+def cell_outcomes(
+    records: pd.DataFrame,
+    *,
+    final_fraction: float = 0.2,
+    collapse_fraction: float = 0.5,
+    collapse_patience: int = 10,
+    smoothing_window: int = 5,
+) -> dict[str, float]:
+    """Outcomes of one cell from its per-step records (see the module docstring).
+
+    ``final_fraction`` is the share of the last steps averaged into ``final_reward``;
+    ``collapse_fraction``, ``collapse_patience`` and ``smoothing_window`` set the collapse rule.
+    Returns a dict with exactly the keys of :data:`OUTCOME_NAMES`, values as Python floats.
+    """
+    if not 0.0 < final_fraction <= 1.0:
+        raise ValueError(f"final_fraction={final_fraction}: expected a fraction in (0, 1]")
+    if not 0.0 <= collapse_fraction < 1.0:
+        raise ValueError(f"collapse_fraction={collapse_fraction}: expected a fraction in [0, 1)")
+    if collapse_patience < 1 or smoothing_window < 1:
+        raise ValueError(
+            f"collapse_patience={collapse_patience}, smoothing_window={smoothing_window}: "
+            "expected positive step counts"
+        )
+    if "step" in records.columns:
+        records = records.sort_values("step", kind="stable")
+        steps = records["step"].to_numpy(dtype=float)
+    else:
+        steps = np.arange(len(records), dtype=float)
+
+    reward = _column(records, REWARD_KEY)
+    finite = np.isfinite(reward) & np.isfinite(steps)
+    reward_steps, reward_values = steps[finite], reward[finite]
+
+    final_reward, late_gain = _final_and_late_gain(reward_values, final_fraction)
+    kl_k3 = _column(records, KL_K3_KEY)
+    return {
+        "final_reward": final_reward,
+        "reward_auc": _time_average(reward_steps, reward_values),
+        "reward_late_gain": late_gain,
+        "collapsed": _collapsed(reward_values, collapse_fraction, collapse_patience, smoothing_window),
+        "kl_k3_mean": _nanmean(kl_k3),
+        "kl_k3_worst": _nanmax(kl_k3),
+        "extreme_token_frac_mean": _nanmean(_column(records, EXTREME_KEY)),
+        "override_rate_mean": _nanmean(_column(records, OVERRIDE_KEY)),
+        "expert_drift_final": _last_finite(_column(records, EXPERT_DRIFT_KEY)),
+        "residual_mismatch_mean": _nanmean(_column(records, RESIDUAL_KEY)),
+    }
+
+
+def _column(records: pd.DataFrame, key: str) -> np.ndarray:
+    if key not in records.columns:
+        return np.full(len(records), np.nan)
+    return pd.to_numeric(records[key], errors="coerce").to_numpy(dtype=float)
+
+
+def _nanmean(values: np.ndarray) -> float:
+    finite = values[np.isfinite(values)]
+    return float(finite.mean()) if finite.size else math.nan
+
+
+def _nanmax(values: np.ndarray) -> float:
+    finite = values[np.isfinite(values)]
+    return float(finite.max()) if finite.size else math.nan
+
+
+def _last_finite(values: np.ndarray) -> float:
+    finite = values[np.isfinite(values)]
+    return float(finite[-1]) if finite.size else math.nan
+
+
+def _final_and_late_gain(reward: np.ndarray, final_fraction: float) -> tuple[float, float]:
+    if reward.size == 0:
+        return math.nan, math.nan
+    window = max(1, math.ceil(final_fraction * reward.size))
+    final = float(reward[-window:].mean())
+    if reward.size < 2 * window:
+        return final, math.nan
+    before = float(reward[-2 * window : -window].mean())
+    return final, final - before
+
+
+def _time_average(steps: np.ndarray, values: np.ndarray) -> float:
+    if values.size == 0:
+        return math.nan
+    span = steps[-1] - steps[0]
+    if values.size == 1 or span <= 0:
+        return float(values.mean())
+    area = float(np.sum((values[1:] + values[:-1]) * np.diff(steps)) / 2.0)
+    return area / span
+
+
+def _collapsed(reward: np.ndarray, fraction: float, patience: int, window: int) -> float:
+    if reward.size == 0:
+        return math.nan
+    smoothed = pd.Series(reward).rolling(window, min_periods=1).mean().to_numpy()
+    best_index = int(np.argmax(smoothed))
+    best, start = smoothed[best_index], smoothed[0]
+    scale = max(best - start, abs(best))
+    if scale <= 0:
+        return 0.0
+    threshold = best - (1.0 - fraction) * scale
+    run = 0
+    for below in smoothed[best_index + 1 :] < threshold:
+        run = run + 1 if below else 0
+        if run >= patience:
+            return 1.0
+    return 0.0

@@ -1,0 +1,96 @@
+"""W&B side of the analysis, offline: workspace spec, summary-table run, offline runs as a source."""
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+pytest.importorskip("wandb_workspaces")
+offline_reader = pytest.importorskip("ablate.tracking.offline_reader")
+
+import wandb  # noqa: E402
+
+from ablate.analysis.dashboard import (  # noqa: E402
+    build_workspace,
+    log_summary_table,
+    save_workspace,
+    workspace_spec,
+    write_workspace_spec,
+)
+from ablate.analysis.load import load_runs  # noqa: E402
+
+
+@pytest.fixture
+def offline_env(tmp_path, monkeypatch):
+    """No account anywhere: a fresh HOME and config dir, no API key, offline mode."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    return tmp_path
+
+
+def _wait_complete(run_dir, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while not offline_reader.is_complete(run_dir):
+        assert time.monotonic() < deadline, f"{run_dir}: no exit record after {timeout}s"
+        time.sleep(0.05)
+
+
+def test_workspace_spec_groups_by_policy_and_budget_and_filters_the_sweep(tmp_path):
+    workspace = build_workspace("my-team", "ablate", "toy")
+    spec = workspace_spec(workspace)
+    text = json.dumps(spec)
+    sections = [s["name"] for s in spec["spec"]["section"]["panelBankConfig"]["sections"]]
+    assert sections == ["Outcomes", "Routing and mismatch", "Load and drift"]
+    run_set = spec["spec"]["section"]["runSets"][0]
+    assert run_set["grouping"] == [{"section": "config", "name": "policy.value"},
+                                   {"section": "config", "name": "budget.value"}]
+    assert run_set["filters"]["filters"][0]["key"] == {"section": "run", "name": "group"}
+    assert run_set["filters"]["filters"][0]["value"] == "toy"
+    assert "mismatch/kl_k3" in text and "routing/residual_mismatch_rate" in text
+    assert json.loads(write_workspace_spec(workspace, tmp_path / "ws.json").read_text()) == spec
+    assert "panelBankConfig" in write_workspace_spec(workspace, tmp_path / "ws.yaml").read_text()
+
+
+def test_save_workspace_without_login_says_how(offline_env):
+    with pytest.raises(RuntimeError, match="not logged in to W&B"):
+        save_workspace(build_workspace("my-team", "ablate", "toy"))
+
+
+def test_log_summary_table_offline_run_in_the_sweep_group(offline_env):
+    table = pd.DataFrame({"policy": ["none", "fisher"], "budget": [0.0, 0.5], "mean": [0.1, 0.4]})
+    run_dir = log_summary_table(table.set_index(["policy", "budget"]), project="ablate", group="toy",
+                                dir=offline_env)
+    _wait_complete(run_dir)
+    run = offline_reader.read_offline_run(run_dir)
+    assert (run.group, run.job_type, run.name) == ("toy", "summary", "toy-summary")
+    assert run.summary["summary._type"] == "table-file"
+    logged = json.loads((Path(run_dir) / "files" / run.summary["summary.path"]).read_text())
+    assert logged["columns"] == ["policy", "budget", "mean"]
+    assert logged["data"] == [["none", 0.0, 0.1], ["fisher", 0.5, 0.4]]
+
+
+def test_load_runs_from_wandb_offline_runs(offline_env):
+    run_dirs = []
+    for policy, budget, seed, group in [("none", 0.0, 0, "toy"), ("fisher", 0.5, 0, "toy"), ("none", 0.0, 0, "other")]:
+        run = wandb.init(project="ablate", group=group, job_type=policy, name=f"{policy}-b{budget:g}-s{seed}",
+                         dir=offline_env, mode="offline", reinit="create_new",
+                         config={"policy": policy, "budget": budget, "seed": seed, "backend": "synthetic"})
+        for step in range(5):
+            run.log({"step": step, "train/reward": 0.1 * step + budget, "mismatch/kl_k3": 0.01}, step=step)
+        run.finish()
+        run_dirs.append(run.dir)
+    for run_dir in run_dirs:
+        _wait_complete(run_dir.rsplit("/files", 1)[0])
+    df = load_runs(offline_env / "wandb", "toy", source="wandb-offline")
+    assert sorted(df["policy"]) == ["fisher", "none"]
+    fisher = df[df.policy == "fisher"].iloc[0]
+    assert (fisher["budget"], fisher["seed"], fisher["backend"]) == (0.5, 0, "synthetic")
+    assert fisher["final_reward"] == pytest.approx(0.4 + 0.5)
+    assert np.isclose(fisher["train/reward"], 0.9)
+    assert df.attrs["excluded"] == {"failed": 0, "running": 0, "corrupt": 0}
