@@ -1,0 +1,3 @@
+from ablate.app import main
+
+main()

@@ -1,0 +1,137 @@
+"""A cell: (backend, policy, budget, seed) plus overrides, with a stable identity and a human name.
+
+The identity is a hash of the resolved config without the keys that do not change the result
+(where it is stored, how it is tracked, which sweep asked for it), so the same sweep started twice
+maps to the same cells and a rerun can recognise a cell that is already complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from ablate.budget import FIXED_BUDGETS, check_budget
+from ablate.config import BackendConfig, FisherEstimateConfig
+from ablate.diagnostics import SCHEMA_VERSION
+from ablate.fisher import FisherTracker
+from ablate.policies import ReplayPolicy, available_policies, get_policy
+
+#: Top-level config keys that never change what a cell computes.
+NOT_IDENTITY = ("tracking", "store_dir", "sweep", "objective", "hydra")
+
+
+class ConfigError(ValueError):
+    """A config that cannot describe a cell (unknown policy, a budget outside [0, 1], ...)."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    backend: BackendConfig
+    policy: str
+    #: Settings passed to ``get_policy`` (``per_layer``, ``tau``, ...).
+    policy_settings: dict[str, Any]
+    fisher: FisherEstimateConfig
+    budget: float
+    seed: int
+    sweep: str
+    device: str
+    cell_id: str
+    name: str
+    trial: int | None = None
+
+    @property
+    def dirname(self) -> str:
+        """The cell's directory in the run store: its name and the start of its identity."""
+        return f"{self.name}-{self.cell_id[:8]}"
+
+    def flat_config(self, resolved: dict[str, Any]) -> dict[str, Any]:
+        """The resolved config flattened with dots, plus the keys dashboards group by."""
+        flat = _flatten(resolved)
+        flat.update({
+            "policy": self.policy, "budget": self.budget, "seed": self.seed, "backend": self.backend.name,
+            "schema_version": SCHEMA_VERSION, "cell_id": self.cell_id, "sweep": self.sweep,
+        })
+        if self.trial is not None:
+            flat["trial"] = self.trial
+        return flat
+
+
+def cell_name(policy: str, budget: float, seed: int) -> str:
+    """``fisher-b0.25-s3``; ``none-s3`` and ``full-s3`` carry no budget, they have only one."""
+    if policy in FIXED_BUDGETS:
+        return f"{policy}-s{seed}"
+    return f"{policy}-b{budget:g}-s{seed}"
+
+
+def resolved_budget(cfg: DictConfig) -> float:
+    try:
+        return check_budget(cfg.budget, cfg.policy.name)
+    except ValueError as error:
+        raise ConfigError(f"{error} (from the config key budget)") from None
+
+
+def cell_from_config(cfg: DictConfig) -> Cell:
+    """Validate a composed config and turn it into a :class:`Cell`, before any work starts."""
+    name = cfg.policy.name
+    if name not in available_policies():
+        raise ConfigError(f"policy.name={name!r}: expected one of {', '.join(available_policies())}")
+    budget = resolved_budget(cfg)
+    policy_cfg = OmegaConf.to_container(cfg.policy, resolve=True)
+    assert isinstance(policy_cfg, dict)
+    settings = {k: v for k, v in policy_cfg.items() if k not in ("name", "fisher")}
+    try:
+        get_policy(name, **settings)  # checks the settings now rather than in the middle of a run
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    resolved = resolved_config(cfg)
+    identity = {k: v for k, v in resolved.items() if k not in NOT_IDENTITY}
+    identity["schema_version"] = SCHEMA_VERSION
+    cell_id = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
+    backend = OmegaConf.to_object(cfg.backend)
+    fisher = OmegaConf.to_object(cfg.policy.fisher)
+    assert isinstance(backend, BackendConfig) and isinstance(fisher, FisherEstimateConfig)
+    return Cell(
+        backend=backend, policy=name, policy_settings=settings, fisher=fisher, budget=budget, seed=int(cfg.seed),
+        sweep=str(cfg.sweep), device=str(cfg.device), cell_id=cell_id, name=cell_name(name, budget, int(cfg.seed)),
+        trial=cfg.get("trial"),
+    )
+
+
+def resolved_config(cfg: DictConfig) -> dict[str, Any]:
+    """The config as plain data with the budget resolved (``none`` -> 0, ``full`` -> 1)."""
+    plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    assert isinstance(plain, dict)
+    plain.pop("hydra", None)
+    plain["budget"] = resolved_budget(cfg)
+    return plain
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, name + "."))
+        elif isinstance(value, Enum):
+            flat[name] = value.value
+        else:
+            flat[name] = value
+    return flat
+
+
+def policy_for(cell: Cell, num_layers: int, num_experts: int) -> tuple[ReplayPolicy, FisherTracker]:
+    """The cell's policy and its Fisher tracker (kept for every policy, to log its Fisher mass)."""
+    fisher = FisherTracker(num_layers, num_experts, decay=cell.fisher.decay, normalize=_value(cell.fisher.normalize))
+    settings = dict(cell.policy_settings)
+    if cell.policy == "fisher":
+        settings["fisher"] = fisher
+    return get_policy(cell.policy, **settings), fisher
+
+
+def _value(choice: Any) -> Any:
+    return choice.value if isinstance(choice, Enum) else choice

@@ -1,0 +1,167 @@
+"""One cell end to end through the real config, run store and W&B (offline, read back)."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+from conftest import compose_config
+
+from ablate.backends import BACKENDS
+from ablate.cell import ConfigError, cell_from_config
+from ablate.diagnostics import SCHEMA, validate_record
+from ablate.runner import run_cell
+from ablate.store import read_json, read_summary
+from ablate.tracking import find_offline_runs, read_offline_run
+
+
+def only_cell(store, sweep="adhoc"):
+    (cell,) = [p for p in (store / sweep).iterdir() if not p.name.startswith("_")]
+    return cell
+
+
+def test_cell_writes_a_complete_store_entry(tmp_path):
+    cfg = compose_config("policy=fisher", "budget=0.25", "seed=3", "tracking.mode=disabled", store=tmp_path)
+    summary = run_cell(cfg)
+    cell = only_cell(tmp_path)
+    assert cell.name.startswith("fisher-b0.25-s3-")
+    assert {p.name for p in cell.iterdir()} >= {"cell.json", "config.yaml", "status.json", "records.parquet", "summary.json"}
+    assert not (cell / "claim.json").exists()
+    status = read_json(cell / "status.json")
+    assert status["status"] == "complete" and status["error"] is None and status["attempt"] == 1
+    identity = read_json(cell / "cell.json")
+    assert (identity["policy"], identity["budget"], identity["seed"], identity["backend"]) == ("fisher", 0.25, 3, "synthetic")
+    records = pd.read_parquet(cell / "records.parquet")
+    assert records["step"].tolist() == list(range(6))
+    assert set(records.columns) == {"step", *SCHEMA}  # every key of every section, every step
+    for row in records.drop(columns="step").to_dict("records"):
+        validate_record(row)
+    assert (records["replay/budget_realized"] == 0.25).all()
+    assert records["replay/fisher_fallback"].tolist()[0] == 1.0  # no estimate before the first step
+    assert records["replay/fisher_fallback"].tolist()[1:] == [0.0] * 5
+    stored = read_summary(cell)
+    assert "final_reward" in summary and summary.keys() == stored.keys()
+    assert all(summary[k] == stored[k] or (math.isnan(summary[k]) and math.isnan(stored[k])) for k in summary)
+    assert "policy:\n  name: fisher" in (cell / "config.yaml").read_text()
+    # Started again: complete, so skipped, and nothing is rewritten.
+    before = (cell / "records.parquet").stat().st_mtime_ns
+    assert run_cell(cfg)["skipped"] is True
+    assert (cell / "records.parquet").stat().st_mtime_ns == before
+
+
+def test_offline_wandb_run_reads_back(tmp_path):
+    cfg = compose_config("policy=random", "budget=0.5", "seed=1", "sweep=smoke", "tracking.tags=[ci]", store=tmp_path)
+    run_cell(cfg)
+    cell = only_cell(tmp_path, "smoke")
+    (run_dir,) = find_offline_runs(cell / "wandb")
+    run = read_offline_run(run_dir)
+    assert run.complete and run.exit_code == 0
+    assert (run.group, run.job_type, run.name, run.tags) == ("smoke", "random", cell.name.rsplit("-", 1)[0], ["ci"])
+    assert (run.config["policy"], run.config["budget"], run.config["seed"]) == ("random", 0.5, 1)
+    assert run.config["backend.name"] == "synthetic" and run.config["schema_version"] == "1.0"
+    assert [row["step"] for row in run.history] == list(range(6))
+    assert set(run.history[0]) - {"step"} == set(SCHEMA)
+    records = pd.read_parquet(cell / "records.parquet")
+    assert [row["train/reward"] for row in run.history] == pytest.approx(records["train/reward"].tolist())
+    assert run.summary["final_reward"] == pytest.approx(read_summary(cell)["final_reward"])
+
+
+def test_wandb_unreachable_keeps_the_cell(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # discard port: nothing listens
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    cfg = compose_config("policy=none", "tracking.mode=online", "tracking.init_timeout=3", store=tmp_path)
+    run_cell(cfg)
+    status = read_json(only_cell(tmp_path) / "status.json")
+    assert status["status"] == "complete"
+    assert any("W&B" in warning for warning in status["warnings"])
+
+
+def test_failing_cell_is_recorded_with_error_and_traceback(tmp_path, monkeypatch):
+    def explode(cell, log_step):
+        from ablate.backends.synthetic import run_cell_steps
+
+        def two_steps_then_fail(step, record):
+            if step == 2:
+                raise RuntimeError("planted failure at step 2")
+            log_step(step, record)
+
+        run_cell_steps(cell, two_steps_then_fail)
+
+    monkeypatch.setitem(BACKENDS, "synthetic", f"{__name__}:_unused")
+    monkeypatch.setattr(sys.modules[__name__], "_unused", explode, raising=False)
+    cfg = compose_config("policy=full", "tracking.mode=offline", store=tmp_path)
+    with pytest.raises(RuntimeError, match="planted failure"):
+        run_cell(cfg)
+    cell = only_cell(tmp_path)
+    status = read_json(cell / "status.json")
+    assert status["status"] == "failed"
+    assert status["error"] == "RuntimeError: planted failure at step 2"
+    assert "two_steps_then_fail" in status["traceback"]
+    assert pd.read_parquet(cell / "records.parquet")["step"].tolist() == [0, 1]  # nothing written is lost
+    (run_dir,) = find_offline_runs(cell / "wandb")
+    assert read_offline_run(run_dir).exit_code == 1
+    # A rerun is a new attempt of the same cell.
+    monkeypatch.setitem(BACKENDS, "synthetic", "ablate.backends.synthetic:run_cell_steps")
+    run_cell(cfg)
+    assert read_json(cell / "status.json")["attempt"] == 2
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("budget=2", r"budget=2.0 in policy=fisher: expected a fraction in \[0, 1\]"),
+        ("budget=nan", "budget=nan in policy=fisher"),
+        ("policy.tau=-1", "tau=-1.0 in policy=fisher: expected a temperature >= 0"),
+    ],
+)
+def test_bad_values_fail_before_any_work(tmp_path, override, message):
+    cfg = compose_config("policy=fisher", "budget=0.25", override, store=tmp_path)
+    with pytest.raises(ConfigError, match=message):
+        cell_from_config(cfg)
+    with pytest.raises(ConfigError):
+        run_cell(cfg)
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_none_with_a_budget_is_a_contradiction(tmp_path):
+    with pytest.raises(ConfigError, match=r"budget=0.3 in policy=none: .*omit the budget"):
+        run_cell(compose_config("policy=none", "budget=0.3", store=tmp_path))
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("policy=fishr", "Could not find 'policy/fishr'"),
+        ("backend.stepz=3", "Could not override 'backend.stepz'"),
+        ("tracking.mode=ofline", "Invalid value 'ofline'"),
+        ("budget=2", "budget=2.0 in policy=random: expected a fraction in"),
+    ],
+)
+def test_bad_overrides_on_the_command_line(tmp_path, override, message):
+    command = [sys.executable, "-m", "ablate", "policy=random", "budget=0.1", override, f"store_dir={tmp_path}"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode != 0
+    assert message in result.stderr + result.stdout
+    assert not any(p.name != "adhoc" for p in tmp_path.iterdir())
+    assert not list(tmp_path.glob("adhoc/*-*"))  # no cell directory was created
+
+
+def test_cell_identity_is_stable_and_ignores_tracking(tmp_path):
+    a = cell_from_config(compose_config("policy=uniform", "budget=0.1", store=tmp_path))
+    b = cell_from_config(compose_config("policy=uniform", "budget=0.1", "tracking.mode=disabled", "sweep=x"))
+    c = cell_from_config(compose_config("policy=uniform", "budget=0.1", "backend.lr=0.1"))
+    assert a.cell_id == b.cell_id != c.cell_id
+    assert a.name == "uniform-b0.1-s0" and cell_from_config(compose_config("policy=full")).name == "full-s0"
+    assert math.isclose(cell_from_config(compose_config("policy=full")).budget, 1.0)
+
+
+def test_cli_runs_one_cell(tmp_path):
+    command = [sys.executable, "-m", "ablate", "policy=mismatch", "budget=0.25", "seed=2", "tracking.mode=disabled",
+               f"store_dir={tmp_path}", "backend.steps=3", "backend.layers=2", "backend.prompts_per_step=4"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    cell = only_cell(tmp_path)
+    assert read_json(cell / "status.json")["status"] == "complete"
+    assert json.loads((cell / "cell.json").read_text())["policy"] == "mismatch"
