@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
 from ablate.config import register_configs
 from ablate.runner import objective, run_cell
@@ -22,6 +22,8 @@ CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
-def main(cfg: DictConfig) -> float:
+def main(cfg: DictConfig) -> float | list[float]:
     summary = run_cell(cfg)
+    if isinstance(cfg.objective, ListConfig):
+        return [objective(summary, str(name)) for name in cfg.objective]
     return objective(summary, cfg.objective)

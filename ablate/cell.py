@@ -61,11 +61,13 @@ class Cell:
         return flat
 
 
-def cell_name(policy: str, budget: float, seed: int) -> str:
-    """``fisher-b0.25-s3``; ``none-s3`` and ``full-s3`` carry no budget, they have only one."""
-    if policy in FIXED_BUDGETS:
-        return f"{policy}-s{seed}"
-    return f"{policy}-b{budget:g}-s{seed}"
+def cell_name(policy: str, budget: float, seed: int, trial: int | None = None) -> str:
+    """``fisher-b0.25-s3``; ``none-s3`` and ``full-s3`` carry no budget, they have only one.
+
+    Trials of an Optuna study get ``-t<number>``: they share policy, budget and seed.
+    """
+    name = f"{policy}-s{seed}" if policy in FIXED_BUDGETS else f"{policy}-b{budget:g}-s{seed}"
+    return name if trial is None else f"{name}-t{trial}"
 
 
 def resolved_budget(cfg: DictConfig) -> float:
@@ -97,8 +99,8 @@ def cell_from_config(cfg: DictConfig) -> Cell:
     assert isinstance(backend, BackendConfig) and isinstance(fisher, FisherEstimateConfig)
     return Cell(
         backend=backend, policy=name, policy_settings=settings, fisher=fisher, budget=budget, seed=int(cfg.seed),
-        sweep=str(cfg.sweep), device=str(cfg.device), cell_id=cell_id, name=cell_name(name, budget, int(cfg.seed)),
-        trial=cfg.get("trial"),
+        sweep=str(cfg.sweep), device=str(cfg.device), cell_id=cell_id,
+        name=cell_name(name, budget, int(cfg.seed), cfg.get("trial")), trial=cfg.get("trial"),
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -27,11 +27,9 @@ class Estimator(str, Enum):
     expert_params = "expert_params"
 
 
-class Normalization(str, Enum):
-    none = "none"
-    layer = "layer"
-    # "global" is a Python keyword, hence the trailing underscore; its value is "global".
-    global_ = "global"
+# "global" is a Python keyword, so this enum is built functionally: OmegaConf matches members by
+# name, and ``policy.fisher.normalize=global`` must work.
+Normalization = Enum("Normalization", {"none": "none", "layer": "layer", "global": "global"}, type=str)
 
 
 class ReplayTokens(str, Enum):
@@ -48,7 +46,7 @@ class FisherEstimateConfig:
 
     estimator: Estimator = Estimator.router_logits
     decay: float = 0.9
-    normalize: Normalization = Normalization.none
+    normalize: Normalization = Normalization["none"]  # type: ignore[valid-type]
 
 
 @dataclass
@@ -98,7 +96,7 @@ class SyntheticConfig(BackendConfig):
     router_temperature: float = 1.0
     # Rollout engine: the same weights, other numerics.
     rollout_dtype: str = "bfloat16"
-    router_noise: float = 0.05
+    router_noise: float = 0.07
     # RL.
     prompts_per_step: int = 16
     group_size: int = 8
@@ -108,6 +106,17 @@ class SyntheticConfig(BackendConfig):
     replay_tokens: ReplayTokens = ReplayTokens.all
     extreme_threshold: float = 2.0
     threads: int = 1
+
+
+@dataclass
+class NoopConfig(BackendConfig):
+    """A backend that does no work (``ablate/backends/noop.py``): overhead benchmarks, sweep tests."""
+
+    name: str = "noop"
+    steps: int = 1
+    reward: float = 0.0
+    fail_seeds: list[int] = field(default_factory=list)
+    fail_at_step: int = 0
 
 
 @dataclass
@@ -146,8 +155,9 @@ class AppConfig:
     sweep: str = "adhoc"
     #: Root of the run store, relative to the directory the command was started in.
     store_dir: str = "runs"
-    #: Outcome returned to Hydra sweepers (see ablate.analysis.outcomes).
-    objective: str = "final_reward"
+    #: Outcome returned to Hydra sweepers (see ablate.analysis.outcomes): a summary key, or a list
+    #: of keys for a multi-objective study. ``Any``: OmegaConf 2.3 has no Union[str, list[str]].
+    objective: Any = "final_reward"
     device: str = "cpu"
     #: Optuna trial number when the cell is a trial of a study.
     trial: Optional[int] = None
@@ -162,3 +172,4 @@ def register_configs() -> None:
     store.store(group="policy", name="base_fisher", node=FisherPolicyConfig)
     store.store(group="backend", name="base_synthetic", node=SyntheticConfig)
     store.store(group="backend", name="base_verl", node=VerlConfig)
+    store.store(group="backend", name="base_noop", node=NoopConfig)

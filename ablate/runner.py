@@ -64,16 +64,19 @@ def run_cell(cfg: DictConfig) -> dict[str, Any]:
         progress = Progress(cell.name, int(getattr(cell.backend, "steps", 0) or 0), enabled=cfg.tracking.progress)
         strict = os.environ.get(STRICT_SCHEMA_ENV) == "1"
 
-        def log_step(step: int, record: dict[str, float]) -> None:
+        def log_step(step: int, record: dict[str, float], native: dict[str, float] | None = None) -> None:
+            """One step: schema keys (validated) and backend-native metrics under their own names."""
             for problem in validate_record(record, strict=strict):
                 recorder.warn(f"step {step}: {problem}")
-            recorder.record(step, record)
-            tracker.log(record, step=step)
+            combined = {**(native or {}), **record}
+            recorder.record(step, combined)
+            tracker.log(combined, step=step)
             progress.update(step, record)
             if step % 25 == 0:
                 claim.refresh()
 
         try:
+            os.environ["ABLATE_CELL_DIR"] = str(directory)  # where a backend keeps its own files
             backend_runner(cell.backend.name)(cell, log_step)
             records = read_records(directory)
             summary = summarize_records(records)

@@ -124,7 +124,7 @@ class Claim:
             pass
 
 
-def _claim_is_stale(path: Path) -> bool:
+def claim_is_stale(path: Path) -> bool:
     try:
         holder = read_json(path)
     except FileNotFoundError:
@@ -150,7 +150,7 @@ def claim(cell_dir: Path) -> Claim:
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
-            if not _claim_is_stale(path):
+            if not claim_is_stale(path):
                 raise CellBusy(f"{cell_dir.name} is being run by {path.read_text().strip()}") from None
             path.unlink(missing_ok=True)
             continue

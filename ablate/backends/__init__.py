@@ -10,6 +10,7 @@ from typing import Any
 BACKENDS = {
     "synthetic": "ablate.backends.synthetic:run_cell_steps",
     "verl": "ablate.backends.verl.backend:run_cell_steps",
+    "noop": "ablate.backends.noop:run_cell_steps",
 }
 
 
