@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Build the separate verl test environment (.venv-verl) for tests/verl.
+# Idempotent: creates the venv only when missing and lets pip skip what is already installed.
+# Usage: bash .ci/verl-env.sh && .venv-verl/bin/python -m pytest tests/verl -q
+#
+# Order matters: torch goes in FIRST and pinned, so no later requirement lets pip choose a
+# (multi-GB CUDA) torch build. verl is installed with --no-deps and without extras because
+# its extras pin torch 2.11; its runtime needs are listed explicitly below.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VERL_VENV:-$REPO/.venv-verl}"
+PYTHON="${PYTHON:-python3}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+
+"${PIP[@]}" torch==2.13.0
+"${PIP[@]}" --no-deps verl==0.9.1
+"${PIP[@]}" torch==2.13.0 megatron-core==0.16.1 tensordict==0.10.0 \
+    "transformers>=5.5.3,<5.11,!=5.6.0" "omegaconf>=2.2,<2.4" "hydra-core>=1.3.2,<1.4" \
+    codetiming ray pytest numpy pandas pyarrow peft accelerate datasets dill pybind11 pylatexenc torchdata tensorboard
+# ablate itself, editable, plus the core runtime deps from pyproject.toml (torch is already pinned).
+"${PIP[@]}" torch==2.13.0 "optuna>=4.0" "wandb>=0.19" "filelock>=3.12"
+"${PIP[@]}" --no-deps -e "$REPO"
+
+"$VENV/bin/python" - <<'PY'
+import importlib.metadata as md
+for name in ("torch", "verl", "megatron-core", "tensordict", "transformers"):
+    print(f"{name}=={md.version(name)}")
+PY

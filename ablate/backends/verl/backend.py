@@ -1,0 +1,112 @@
+"""``backend=verl``: one cell as one verl ``main_ppo`` run, logged like any other cell.
+
+verl writes its per-step metrics with its own ``file`` logger (JSON lines, path set through
+``VERL_FILE_LOGGER_PATH``); this module follows that file while verl runs and hands every step to
+the cell runner: the schema keys the worker hook emits (``replay/``, ``routing/``), verl's
+training metrics mapped onto ``train/``, and every other numeric verl metric beside them under
+its own name (``rollout_corr/*``, ``training/rollout_probs_diff_*``, ...), outside the schema.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from ablate.backends.verl.launch import check_cell_config, check_verl, compose, verl_overrides
+from ablate.cell import Cell
+from ablate.config import VerlConfig
+from ablate.diagnostics import SCHEMA
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "verl"
+
+#: verl metric -> schema key, where the two mean the same thing.
+TRAIN_KEYS = {
+    "critic/score/mean": "train/reward",
+    "critic/score/std": "train/reward_std",
+    "actor/pg_loss": "train/loss",
+    "actor/grad_norm": "train/grad_norm",
+    "actor/pg_clipfrac": "train/clip_frac",
+    "actor/entropy": "train/entropy",
+}
+
+
+def split_metrics(data: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, float]]:
+    """verl's metrics of one step as (schema record, native metrics kept under their own names)."""
+    record: dict[str, float] = {}
+    native: dict[str, float] = {}
+    for key, value in data.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if key in SCHEMA:
+            record[key] = float(value)
+        elif key in TRAIN_KEYS:
+            record[TRAIN_KEYS[key]] = float(value)
+            native[key] = float(value)
+        else:
+            native[key] = float(value)
+    return record, native
+
+
+def follow(path: Path, process: subprocess.Popen, poll: float = 1.0) -> Iterator[dict[str, Any]]:
+    """Lines of a JSON-lines file that another process appends to, until that process exits."""
+    position, pending = 0, b""
+    while True:
+        running = process.poll() is None
+        if path.exists():
+            with open(path, "rb") as handle:
+                handle.seek(position)
+                chunk = handle.read()
+                position += len(chunk)
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                if line.strip():
+                    yield json.loads(line)
+        if not running:
+            return
+        time.sleep(poll)
+
+
+def build_command(cell: Cell, metrics_file: Path) -> tuple[list[str], dict[str, str]]:
+    """The verl command line and environment of a cell; checks verl and the config first."""
+    cfg: VerlConfig = cell.backend  # type: ignore[assignment]
+    check_verl()
+    config_dir = Path(cfg.config_dir) if cfg.config_dir else EXAMPLES
+    settings = dict(cell.policy_settings)
+    settings.update({"decay": cell.fisher.decay, "normalize": str(getattr(cell.fisher.normalize, "value", cell.fisher.normalize))})
+    overrides = [
+        *verl_overrides(cell.policy, cell.budget, cell.seed, settings),
+        "trainer.logger=[console,file]",
+        f"trainer.experiment_name={cell.name}",
+        *cfg.overrides,
+    ]
+    check_cell_config(compose(config_dir, cfg.config_name, overrides))
+    command = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={config_dir.resolve()}",
+               f"--config-name={cfg.config_name}", *overrides]
+    return command, {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_file)}
+
+
+def run_cell_steps(cell: Cell, log_step: Callable[..., None]) -> None:
+    cfg: VerlConfig = cell.backend  # type: ignore[assignment]
+    metrics_file = Path(os.environ.get("ABLATE_CELL_DIR", ".")) / "verl_metrics.jsonl"
+    command, env = build_command(cell, metrics_file)
+    if cfg.dry_run:
+        print(" ".join(command))
+        return
+    process = subprocess.Popen(command, env=env)
+    try:
+        for line in follow(metrics_file, process):
+            record, native = split_metrics(line.get("data", {}))
+            log_step(int(line["step"]), record, native)
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            process.wait()
+    if process.returncode:
+        raise RuntimeError(f"verl main_ppo exited with status {process.returncode}: {' '.join(command[:4])} ...")
