@@ -22,7 +22,8 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m ablate.demo
+	$(BIN)/python -m ablate sweeps=smoke
+	$(BIN)/python -m ablate.analysis runs/smoke --reps 1000
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
@@ -36,6 +37,8 @@ test-verl:
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_policies.py
+	$(BIN)/python bench/bench_sweep_overhead.py
+	$(BIN)/python bench/calibrate_synthetic.py
 
 clean:
 	rm -rf $(VENV) .venv-verl

@@ -31,6 +31,8 @@ class AblateGridSweeperConf:
     params: Optional[dict[str, str]] = None
     #: Seconds between progress reports while cells run.
     progress_interval: float = 2.0
+    #: Plan only: print the cells and their state in the run store, launch nothing.
+    dry_run: bool = False
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="ablate_grid", node=AblateGridSweeperConf, provider="ablate")
@@ -38,9 +40,10 @@ ConfigStore.instance().store(group="hydra/sweeper", name="ablate_grid", node=Abl
 
 class AblateGridSweeper(BasicSweeper):
     def __init__(self, max_batch_size: Optional[int], params: Optional[dict[str, str]] = None,
-                 progress_interval: float = 2.0) -> None:
+                 progress_interval: float = 2.0, dry_run: bool = False) -> None:
         super().__init__(max_batch_size=max_batch_size, params=params)
         self.progress_interval = progress_interval
+        self.dry_run = dry_run
 
     def _compose(self, overrides: list[str]):
         assert self.config is not None and self.hydra_context is not None
@@ -61,6 +64,10 @@ class AblateGridSweeper(BasicSweeper):
         planned = plan_grid([[*(o for o in job if not o.startswith("store_dir=")), store] for job in jobs], self._compose)
         sweep_name = str(self.config.sweep)
         log.info(describe_plan(sweep_name, planned))
+        if self.dry_run:
+            for cell in planned:
+                print(f"{cell.state:<10} {cell.cell.name:<28} {' '.join(cell.overrides[:-1])}")
+            return []
 
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
