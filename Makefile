@@ -33,7 +33,7 @@ test-slow: $(STAMP)
 
 test-verl:
 	bash .ci/verl-env.sh
-	.venv-verl/bin/python -m pytest -q tests/verl
+	.venv-verl/bin/python -m pytest -q tests/verl_tier
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_policies.py

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Build the separate verl test environment (.venv-verl) for tests/verl.
+# Build the separate verl test environment (.venv-verl) for tests/verl_tier.
 # Idempotent: creates the venv only when missing and lets pip skip what is already installed.
-# Usage: bash .ci/verl-env.sh && .venv-verl/bin/python -m pytest tests/verl -q
+# Usage: bash .ci/verl-env.sh && .venv-verl/bin/python -m pytest tests/verl_tier -q
 #
 # Order matters: torch goes in FIRST and pinned, so no later requirement lets pip choose a
 # (multi-GB CUDA) torch build. verl is installed with --no-deps and without extras because

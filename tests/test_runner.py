@@ -165,3 +165,27 @@ def test_cli_runs_one_cell(tmp_path):
     cell = only_cell(tmp_path)
     assert read_json(cell / "status.json")["status"] == "complete"
     assert json.loads((cell / "cell.json").read_text())["policy"] == "mismatch"
+
+
+@pytest.mark.slow
+def test_full_replay_removes_residual_mismatch_and_lowers_kl(tmp_path):
+    kl = {}
+    for policy in ("none", "full"):
+        for seed in (0, 1, 2):
+            cfg = compose_config(f"policy={policy}", f"seed={seed}", "backend.steps=30", "backend.layers=4",
+                                 "backend.experts=8", "tracking.mode=disabled", store=tmp_path)
+            run_cell(cfg)
+    for cell in (tmp_path / "adhoc").iterdir():
+        if cell.name.startswith("_"):
+            continue
+        records = pd.read_parquet(cell / "records.parquet")
+        identity = read_json(cell / "cell.json")
+        policy = identity["policy"]
+        kl[policy, identity["seed"]] = records["mismatch/kl_k3"].mean()
+        if policy == "full":
+            assert (records["routing/residual_mismatch_rate"] == 0).all()
+            assert (records["routing/mismatch_recall"].dropna() == 1).all()
+        else:
+            assert (records["routing/route_mismatch_rate"] > 0).any()  # there is something to fix
+    for seed in (0, 1, 2):
+        assert kl["full", seed] < kl["none", seed], kl

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("verl", reason="verl 0.9.1 is not installed here: build it with .ci/verl-env.sh")
+pytest.importorskip("verl.protocol", reason="verl 0.9.1 is not installed here: build it with .ci/verl-env.sh")
 pytest.importorskip("megatron.core", reason="megatron-core is not installed here: build it with .ci/verl-env.sh")
 
 import torch  # noqa: E402

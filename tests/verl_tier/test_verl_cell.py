@@ -2,7 +2,7 @@
 
 import pytest
 
-pytest.importorskip("verl", reason="verl 0.9.1 is not installed here: build it with .ci/verl-env.sh")
+pytest.importorskip("verl.protocol", reason="verl 0.9.1 is not installed here: build it with .ci/verl-env.sh")
 
 from hydra import compose, initialize_config_dir  # noqa: E402
 
