@@ -168,35 +168,75 @@ def _check_route_tensor(name: str, tensor: Tensor) -> None:
 
 
 def _check_ids(name: str, ids: Tensor, valid: Tensor, num_experts: int) -> None:
-    """Range and uniqueness of expert ids on valid tokens, without materialising [T, L, K, K]."""
-    on_valid = ids[valid]
-    low, high = int(on_valid.min()), int(on_valid.max())
-    if low < 0 or high >= num_experts:
-        bad = low if low < 0 else high
-        where = (on_valid == bad).nonzero()[0].tolist()
-        token = int(valid.nonzero()[where[0]])
-        raise RoutesError(
-            f"{name} holds expert id {bad} at token {token}, layer {where[1]}: expected ids in [0, {num_experts})"
-        )
+    """Range and uniqueness of expert ids on valid tokens, chunk by chunk, never [T, L, K, K]."""
     topk = ids.shape[-1]
-    for k in range(1, topk):
-        clash = (on_valid[..., k : k + 1] == on_valid[..., :k]).any(-1)
-        if bool(clash.any()):
-            row, layer = clash.nonzero()[0].tolist()
-            token = int(valid.nonzero()[row])
+    for rows in token_chunks(valid, ids.shape[1] * topk):
+        chunk = ids[rows]
+        low, high = int(chunk.min()), int(chunk.max())
+        if low < 0 or high >= num_experts:
+            bad = low if low < 0 else high
+            row, layer, _ = (chunk == bad).nonzero()[0].tolist()
             raise RoutesError(
-                f"{name} picks expert {int(on_valid[row, layer, k])} twice at token {token}, layer {layer}: "
-                "expected distinct experts within one route"
+                f"{name} holds expert id {bad} at token {_token_of(rows, row)}, layer {layer}: "
+                f"expected ids in [0, {num_experts})"
             )
+        for k in range(1, topk):
+            clash = (chunk[..., k : k + 1] == chunk[..., :k]).any(-1)
+            if bool(clash.any()):
+                row, layer = clash.nonzero()[0].tolist()
+                raise RoutesError(
+                    f"{name} picks expert {int(chunk[row, layer, k])} twice at token {_token_of(rows, row)}, "
+                    f"layer {layer}: expected distinct experts within one route"
+                )
+
+
+def _token_of(rows: slice | Tensor, row: int) -> int:
+    return rows.start + row if isinstance(rows, slice) else int(rows[row])
+
+
+#: Expert ids per chunk of the route kernels. 2^23 int16 ids are 16 MiB: a chunk's temporaries
+#: are reused from the allocator instead of paging in full-size ones, peak extra memory stays a
+#: small fraction of the routes tensor, and each op is still large enough that thread
+#: synchronisation is negligible (smaller chunks suffer badly on an oversubscribed CPU).
+_CHUNK_IDS = 1 << 23
+
+
+def token_chunks(valid: Tensor | int, ids_per_token: int) -> list[slice] | list[Tensor]:
+    """Row selectors that split tokens into chunks of about ``_CHUNK_IDS`` expert ids.
+
+    ``valid`` is either a token count (every token, as slices) or a ``[tokens]`` bool mask (its
+    True tokens only: slices when all are True, index tensors otherwise). Chunks are in token order.
+    """
+    step = max(1, _CHUNK_IDS // max(1, ids_per_token))
+    if isinstance(valid, int):
+        return [slice(start, min(start + step, valid)) for start in range(0, valid, step)]
+    if bool(valid.all()):
+        return token_chunks(valid.shape[0], ids_per_token)
+    rows = valid.nonzero().squeeze(1)
+    return list(rows.split(step))
 
 
 def overlap_count(a: Tensor, b: Tensor) -> Tensor:
     """``[tokens, layers]`` number of experts two route tensors ``[tokens, layers, topk]`` share.
 
-    Loops over the top-k slots (8 for Qwen3-style models) rather than broadcasting to
-    ``[T, L, K, K]``, which would need K times the memory of the routes themselves.
+    Precisely: the number of slots of ``a`` whose expert appears anywhere in the route of ``b``.
+    The ``[T, L, K, K]`` pairwise comparison is only ever built for one chunk of tokens at a time,
+    so memory stays a fraction of the routes themselves.
     """
-    shared = torch.zeros(a.shape[:2], dtype=torch.int32, device=a.device)
-    for k in range(a.shape[-1]):
-        shared += (a[..., k : k + 1] == b).any(-1)
+    tokens, layers, topk = a.shape
+    shared = torch.empty(tokens, layers, dtype=torch.int32, device=a.device)
+    for rows in token_chunks(tokens, layers * topk * topk):
+        shared[rows] = _overlap_chunk(a[rows], b[rows])
     return shared
+
+
+def _overlap_chunk(a: Tensor, b: Tensor) -> Tensor:
+    pairs = torch.empty(*a.shape, a.shape[-1], dtype=torch.bool, device=a.device)  # contiguous, to view below
+    torch.eq(a[..., :, None], b[..., None, :], out=pairs)
+    if a.shape[-1] != 8:
+        return pairs.any(-1).sum(-1, dtype=torch.int32)
+    # Top-8 (Qwen3, DeepSeek, Mixtral-style): a row of 8 bools is one int64, so "any" is "!= 0",
+    # and the 8 resulting 0/1 bytes sum to the top byte of their product with 0x0101010101010101.
+    found = pairs.view(torch.int64).squeeze(-1) != 0
+    packed = found.view(torch.int64).squeeze(-1)
+    return ((packed * 0x0101010101010101) >> 56).to(torch.int32)

@@ -203,3 +203,14 @@ def test_policies_run_on_the_device_of_their_inputs():
     for name in BUDGETED:
         mask = make(name, cuda, False).select(cuda, 0.5, generator=gen(0))
         assert mask.device.type == "cuda"
+
+
+def test_padding_ids_are_never_read():
+    # verl pads with zeros, other engines with -1: neither may reach a gather or a range check.
+    routes = hand_routes()
+    rollout = routes.rollout.clone()
+    rollout[3] = -1
+    padded = Routes(rollout=rollout, valid=routes.valid, num_experts=4, native=routes.native)
+    for name in BUDGETED:
+        policy = make(name, padded, False) if name != "fisher" else get_policy("fisher", scores=FISHER)
+        assert torch.equal(policy.select(padded, 0.5, generator=gen(0)), policy.select(routes, 0.5, generator=gen(0)))

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ablate.policies.builtin import route_scores
-from ablate.routes import Routes, overlap_count
+from ablate.routes import Routes, overlap_count, token_chunks
 
 NAN = float("nan")
 
@@ -123,19 +123,20 @@ def expert_load(routes: Routes, mask: Tensor | None = None) -> Tensor:
     no mask every route is native, and without native routes the rollout experts are counted.
     """
     layers, experts = routes.num_layers, routes.num_experts
-    layer_base = (torch.arange(layers, device=routes.device) * experts)[None, :]
-    counts = torch.zeros(layers * experts + 1, dtype=torch.long, device=routes.device)
-    dropped = torch.tensor(layers * experts, device=routes.device)
-    for k in range(routes.topk):
+    # (layer, expert) slots fit int16 for any real MoE (48 * 128 = 6144): bincount reads 2 bytes an
+    # id instead of 8, and each chunk of valid tokens is one where, one add, one bincount.
+    slot_dtype = torch.int16 if layers * experts <= torch.iinfo(torch.int16).max else torch.int32
+    layer_base = (torch.arange(layers, device=routes.device, dtype=slot_dtype) * experts)[:, None]
+    counts = torch.zeros(layers * experts, dtype=torch.long, device=routes.device)
+    for rows in token_chunks(routes.valid, layers * routes.topk):
         if routes.native is None:
-            ids = routes.rollout[..., k]
+            ids = routes.rollout[rows]
         elif mask is None:
-            ids = routes.native[..., k]
+            ids = routes.native[rows]
         else:
-            ids = torch.where(mask, routes.rollout[..., k], routes.native[..., k])
-        slot = torch.where(routes.valid[:, None], layer_base + ids.long(), dropped)
-        counts += torch.bincount(slot.reshape(-1), minlength=layers * experts + 1)
-    return counts[:-1].reshape(layers, experts)
+            ids = torch.where(mask[rows][..., None], routes.rollout[rows], routes.native[rows])
+        counts += torch.bincount((ids.to(slot_dtype) + layer_base).reshape(-1), minlength=layers * experts)
+    return counts.reshape(layers, experts)
 
 
 def load_metrics(load: Tensor) -> dict[str, float]:

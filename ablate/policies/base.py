@@ -40,15 +40,16 @@ class ReplayPolicy(ABC):
         budget = check_budget(budget, self.name)
         self.info = {}
         n = count_for(budget, routes.num_valid_routes)
-        mask = torch.zeros(routes.num_tokens, routes.num_layers, dtype=torch.bool, device=routes.device)
         if n == 0:
-            return mask
+            return torch.zeros(routes.num_tokens, routes.num_layers, dtype=torch.bool, device=routes.device)
         if n == routes.num_valid_routes:
             return routes.valid_routes().clone()
         rows = routes.valid.nonzero().squeeze(1)
         chosen = self.choose(routes, rows, n, generator)
-        mask[rows] = chosen
-        return mask
+        if rows.numel() == routes.num_tokens:
+            return chosen  # every token is valid: the valid rows are the mask itself
+        mask = torch.zeros(routes.num_tokens, routes.num_layers, dtype=torch.bool, device=routes.device)
+        return mask.index_copy_(0, rows, chosen)
 
     def choose(self, routes: Routes, rows: Tensor, n: int, generator: torch.Generator | None) -> Tensor:
         """``[valid tokens, layers]`` bool with exactly ``n`` True, from :meth:`route_keys`."""

@@ -6,12 +6,13 @@ import math
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ablate.budget import layer_quotas
 from ablate.policies.base import PolicyError, ReplayPolicy, register_policy
 from ablate.policies.selection import gumbel_noise, uniform_noise
-from ablate.routes import Routes, overlap_count
+from ablate.routes import Routes, overlap_count, token_chunks
 
 
 @register_policy("none")
@@ -138,11 +139,15 @@ def route_scores(estimate: Tensor, routes: Routes) -> Tensor:
     expected = (routes.num_layers, routes.num_experts)
     if tuple(estimate.shape) != expected:
         raise PolicyError(f"Fisher estimate has shape {tuple(estimate.shape)}: expected [layers, experts]={expected}")
-    flat = estimate.to(device=routes.device, dtype=torch.float32).reshape(-1)
-    layer_base = (torch.arange(routes.num_layers, device=routes.device) * routes.num_experts)[None, :]
+    table = estimate.to(device=routes.device, dtype=torch.float32).reshape(-1, 1)
+    # One bag of k (layer, expert) rows per route: embedding_bag sums the k scores in one fused
+    # gather, over chunks of tokens, instead of k full-size int64 index tensors and gathers.
+    layer_base = (torch.arange(routes.num_layers, device=routes.device, dtype=torch.int32) * routes.num_experts)[:, None]
+    # Invalid tokens score 0 and their ids are never read: padding may hold any value.
     score = torch.zeros(routes.num_tokens, routes.num_layers, device=routes.device)
-    for k in range(routes.topk):
-        score += flat[layer_base + routes.rollout[..., k].long()]
+    for rows in token_chunks(routes.valid, routes.num_layers * routes.topk):
+        bags = (routes.rollout[rows].to(torch.int32) + layer_base).reshape(-1, routes.topk)
+        score[rows] = F.embedding_bag(bags, table, mode="sum").reshape(-1, routes.num_layers)
     return score
 
 

@@ -1,0 +1,154 @@
+"""The chunked route kernels equal straightforward full-size references on random batches.
+
+The cases shrink the chunk size so that batches of a few dozen tokens cross several chunk
+boundaries, including a partial last chunk and chunks of a single token.
+"""
+
+import pytest
+import torch
+
+import ablate.routes
+from ablate import Routes, RoutesError, get_policy, replay_count
+from ablate.diagnostics import expert_load, route_diagnostics
+from ablate.policies.builtin import route_scores
+from ablate.routes import overlap_count, token_chunks
+
+
+def reference_overlap(a, b):
+    return (a[..., :, None] == b[..., None, :]).any(-1).sum(-1, dtype=torch.int32)
+
+
+def reference_load(routes, mask):
+    load = torch.zeros(routes.num_layers, routes.num_experts, dtype=torch.long)
+    for token in routes.valid.nonzero().squeeze(1).tolist():
+        for layer in range(routes.num_layers):
+            if routes.native is None:
+                ids = routes.rollout[token, layer]
+            elif mask is None or not mask[token, layer]:
+                ids = routes.native[token, layer]
+            else:
+                ids = routes.rollout[token, layer]
+            for expert in ids.tolist():
+                load[layer, expert] += 1
+    return load
+
+
+def reference_scores(estimate, routes):
+    """Score of each valid route; invalid tokens score 0 (their ids are never read)."""
+    layers = torch.arange(routes.num_layers)[None, :, None]
+    return estimate[layers, routes.rollout.long()].sum(-1) * routes.valid[:, None]
+
+
+def random_batch(tokens, layers, experts, topk, seed, *, all_valid=False, dtype=torch.int16):
+    """Distinct ids per route on valid tokens; invalid tokens hold verl's zero padding."""
+    g = torch.Generator().manual_seed(seed)
+    rollout = torch.rand(tokens, layers, experts, generator=g).argsort(-1)[..., :topk]
+    native = rollout.clone()
+    swapped = torch.rand(tokens, layers, experts, generator=g).argsort(-1)[..., :topk]
+    keep = torch.rand(tokens, layers, 1, generator=g) < 0.5
+    native = torch.where(keep, native.flip(-1), swapped)  # same set reordered, or a fresh route
+    valid = torch.ones(tokens, dtype=torch.bool) if all_valid else torch.rand(tokens, generator=g) < 0.7
+    valid[tokens // 2] = True
+    rollout[~valid] = 0
+    native[~valid] = 0
+    return Routes(rollout=rollout.to(dtype), valid=valid, num_experts=experts, native=native.to(dtype))
+
+
+SHAPES = [  # tokens, layers, experts, topk
+    (37, 3, 100, 8),  # the packed top-8 path; experts not a multiple of 64
+    (41, 2, 130, 3),
+    (29, 4, 5, 1),
+    (23, 1, 64, 2),
+    (50, 3, 8, 8),  # topk == experts
+]
+
+
+#: Tokens per chunk: single tokens, chunks that leave a partial last one, and one chunk for all.
+CHUNK_TOKENS = pytest.mark.parametrize("chunk_tokens", [1, 5, 10**6], ids=["1-token", "5-tokens", "one-chunk"])
+
+
+def use_chunks(monkeypatch, routes, chunk_tokens):
+    monkeypatch.setattr(ablate.routes, "_CHUNK_IDS", chunk_tokens * routes.num_layers * routes.topk)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("all_valid", [False, True], ids=["padded", "all-valid"])
+@CHUNK_TOKENS
+def test_kernels_equal_references(shape, all_valid, chunk_tokens, monkeypatch):
+    routes = random_batch(*shape, seed=sum(shape), all_valid=all_valid)
+    use_chunks(monkeypatch, routes, chunk_tokens)
+    # Overlap is defined on every token, padding with duplicate ids included.
+    assert torch.equal(overlap_count(routes.rollout, routes.native), reference_overlap(routes.rollout, routes.native))
+    mask = torch.rand(routes.num_tokens, routes.num_layers, generator=torch.Generator().manual_seed(3)) < 0.4
+    for m in (None, mask):
+        assert torch.equal(expert_load(routes, m), reference_load(routes, m))
+    estimate = torch.rand(routes.num_layers, routes.num_experts, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(route_scores(estimate, routes), reference_scores(estimate, routes))
+
+
+@CHUNK_TOKENS
+def test_load_without_native_counts_rollout(chunk_tokens, monkeypatch):
+    full = random_batch(31, 2, 70, 4, seed=9)
+    routes = Routes(rollout=full.rollout, valid=full.valid, num_experts=70)
+    use_chunks(monkeypatch, routes, chunk_tokens)
+    assert torch.equal(expert_load(routes), reference_load(routes, None))
+
+
+@CHUNK_TOKENS
+def test_overlap_of_mixed_dtypes_and_strided_inputs(chunk_tokens, monkeypatch):
+    routes = random_batch(33, 3, 90, 8, seed=2)
+    use_chunks(monkeypatch, routes, chunk_tokens)
+    a = routes.rollout.long().transpose(0, 1).contiguous().transpose(0, 1)  # non-contiguous layout
+    assert torch.equal(overlap_count(a, routes.native.int()), reference_overlap(routes.rollout, routes.native))
+
+
+@pytest.mark.parametrize("name, settings", [
+    ("random", {}), ("random", {"per_layer": True}), ("uniform", {}), ("mismatch", {}),
+    ("fisher", {"scores": torch.rand(3, 100, generator=torch.Generator().manual_seed(0))}),
+])
+@pytest.mark.parametrize("all_valid", [False, True], ids=["padded", "all-valid"])
+def test_masks_and_diagnostics_do_not_depend_on_chunking(name, settings, all_valid, monkeypatch):
+    routes = random_batch(45, 3, 100, 8, seed=11, all_valid=all_valid)
+    policy = get_policy(name, **settings)
+
+    def run():
+        mask = policy.select(routes, 0.3, generator=torch.Generator().manual_seed(5))
+        return mask, route_diagnostics(routes, mask, 0.3, fisher_scores=settings.get("scores"))
+
+    whole_mask, whole = run()
+    use_chunks(monkeypatch, routes, 7)
+    chunked_mask, chunked = run()
+    assert torch.equal(whole_mask, chunked_mask)
+    assert not (whole_mask & ~routes.valid[:, None]).any()
+    assert int(whole_mask.sum()) == replay_count(0.3, routes, per_layer=policy.per_layer)
+    assert chunked.keys() == whole.keys()
+    for key, value in whole.items():
+        assert chunked[key] == pytest.approx(value, nan_ok=True, rel=1e-6), key
+
+
+def test_token_chunks_cover_the_valid_tokens_in_order(monkeypatch):
+    monkeypatch.setattr(ablate.routes, "_CHUNK_IDS", 12)
+    assert token_chunks(10, 4) == [slice(0, 3), slice(3, 6), slice(6, 9), slice(9, 10)]
+    valid = torch.tensor([True, False, True, True, False, True, True])
+    assert [c.tolist() for c in token_chunks(valid, 4)] == [[0, 2, 3], [5, 6]]
+    assert token_chunks(torch.ones(4, dtype=torch.bool), 4) == [slice(0, 3), slice(3, 4)]
+
+
+@pytest.mark.parametrize("chunk_ids", [1, 2 * 3 * 4, 10**9])
+def test_id_checks_find_the_first_bad_route_in_any_chunk(chunk_ids, monkeypatch):
+    monkeypatch.setattr(ablate.routes, "_CHUNK_IDS", chunk_ids)
+    routes = random_batch(20, 3, 50, 4, seed=1)
+    valid_tokens = routes.valid.nonzero().squeeze(1).tolist()
+    token = valid_tokens[-2]
+    twice = routes.rollout.clone()
+    twice[token, 2, 3] = twice[token, 2, 0]
+    with pytest.raises(RoutesError, match=f"picks expert {int(twice[token, 2, 0])} twice at token {token}, layer 2"):
+        Routes(rollout=twice, valid=routes.valid, num_experts=50)
+    out_of_range = routes.rollout.clone()
+    out_of_range[token, 1, 2] = 50
+    with pytest.raises(RoutesError, match=f"expert id 50 at token {token}, layer 1"):
+        Routes(rollout=out_of_range, valid=routes.valid, num_experts=50)
+    invalid = (~routes.valid).nonzero()[0].item()
+    ignored = routes.rollout.clone()
+    ignored[invalid] = -7  # never read: the token is invalid
+    Routes(rollout=ignored, valid=routes.valid, num_experts=50)
