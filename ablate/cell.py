@@ -8,6 +8,7 @@ maps to the same cells and a rerun can recognise a cell that is already complete
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 from dataclasses import dataclass
 from enum import Enum
@@ -43,6 +44,9 @@ class Cell:
     cell_id: str
     name: str
     trial: int | None = None
+    #: Non-default policy settings, e.g. ``tau=1,fisher.estimator=expert_params`` ("" for defaults):
+    #: with the policy it names the arm a cell belongs to in an analysis.
+    variant: str = ""
 
     @property
     def dirname(self) -> str:
@@ -54,7 +58,7 @@ class Cell:
         flat = _flatten(resolved)
         flat.update({
             "policy": self.policy, "budget": self.budget, "seed": self.seed, "backend": self.backend.name,
-            "schema_version": SCHEMA_VERSION, "cell_id": self.cell_id, "sweep": self.sweep,
+            "schema_version": SCHEMA_VERSION, "cell_id": self.cell_id, "sweep": self.sweep, "variant": self.variant,
         })
         if self.trial is not None:
             flat["trial"] = self.trial
@@ -83,7 +87,7 @@ def cell_from_config(cfg: DictConfig) -> Cell:
     if name not in available_policies():
         raise ConfigError(f"policy.name={name!r}: expected one of {', '.join(available_policies())}")
     budget = resolved_budget(cfg)
-    policy_cfg = OmegaConf.to_container(cfg.policy, resolve=True)
+    policy_cfg = OmegaConf.to_container(cfg.policy, resolve=True, enum_to_str=True)
     assert isinstance(policy_cfg, dict)
     settings = {k: v for k, v in policy_cfg.items() if k not in ("name", "fisher")}
     try:
@@ -92,7 +96,6 @@ def cell_from_config(cfg: DictConfig) -> Cell:
         raise ConfigError(str(error)) from None
     resolved = resolved_config(cfg)
     identity = {k: v for k, v in resolved.items() if k not in NOT_IDENTITY}
-    identity["schema_version"] = SCHEMA_VERSION
     cell_id = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
     backend = OmegaConf.to_object(cfg.backend)
     fisher = OmegaConf.to_object(cfg.policy.fisher)
@@ -101,7 +104,27 @@ def cell_from_config(cfg: DictConfig) -> Cell:
         backend=backend, policy=name, policy_settings=settings, fisher=fisher, budget=budget, seed=int(cfg.seed),
         sweep=str(cfg.sweep), device=str(cfg.device), cell_id=cell_id,
         name=cell_name(name, budget, int(cfg.seed), cfg.get("trial")), trial=cfg.get("trial"),
+        variant=variant_of(name, settings, policy_cfg.get("fisher", {})),
     )
+
+
+def variant_of(policy: str, settings: dict[str, Any], fisher: dict[str, Any]) -> str:
+    """The settings that differ from the policy's defaults, as ``k=v`` joined by commas.
+
+    Cells of one policy with different settings (a temperature sweep, per-layer against global
+    budgets) are different arms of an ablation; this names them. The Fisher estimate settings
+    count only for the fisher policy, the one that reads the estimate.
+    """
+    defaults = {
+        p.name: p.default for p in inspect.signature(type(get_policy(policy)).__init__).parameters.values()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+    changed = [f"{k}={v}" for k, v in sorted(settings.items()) if k in defaults and defaults[k] != v]
+    if policy == "fisher":
+        base = OmegaConf.to_container(OmegaConf.structured(FisherEstimateConfig), enum_to_str=True)
+        assert isinstance(base, dict)
+        changed += [f"fisher.{k}={v}" for k, v in sorted(fisher.items()) if base.get(k) != v]
+    return ",".join(changed)
 
 
 def resolved_config(cfg: DictConfig) -> dict[str, Any]:
@@ -110,6 +133,7 @@ def resolved_config(cfg: DictConfig) -> dict[str, Any]:
     assert isinstance(plain, dict)
     plain.pop("hydra", None)
     plain["budget"] = resolved_budget(cfg)
+    plain["schema_version"] = SCHEMA_VERSION
     return plain
 
 

@@ -46,13 +46,15 @@ def run_cell(cfg: DictConfig) -> dict[str, Any]:
         return {**read_summary(directory), "skipped": True}
     resolved = resolved_config(cfg)
     with held(directory) as claim:
+        if is_complete(directory, cell.cell_id):  # another worker finished it while we looked
+            return {**read_summary(directory), "skipped": True}
         previous = directory / "status.json"
         attempt = int(read_json(previous).get("attempt", 0)) + 1 if previous.exists() else 1
         recorder = CellRecorder(directory)
         recorder.start(
             {"cell_id": cell.cell_id, "name": cell.name, "sweep": cell.sweep, "backend": cell.backend.name,
              "policy": cell.policy, "budget": cell.budget, "seed": cell.seed, "trial": cell.trial,
-             "settings": cell.policy_settings},
+             "variant": cell.variant, "settings": cell.policy_settings, "schema_version": resolved["schema_version"]},
             OmegaConf.to_yaml(resolved), attempt,
         )
         tracker = start_tracker(
@@ -72,8 +74,7 @@ def run_cell(cfg: DictConfig) -> dict[str, Any]:
             recorder.record(step, combined)
             tracker.log(combined, step=step)
             progress.update(step, record)
-            if step % 25 == 0:
-                claim.refresh()
+            claim.refresh()
 
         try:
             os.environ["ABLATE_CELL_DIR"] = str(directory)  # where a backend keeps its own files

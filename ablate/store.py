@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from filelock import FileLock
 
 STATUS_RUNNING, STATUS_COMPLETE, STATUS_FAILED = "running", "complete", "failed"
 CLAIM_FILE = "claim.json"
@@ -111,10 +112,17 @@ def read_records(cell_dir: Path) -> pd.DataFrame:
 
 @dataclass
 class Claim:
+    """A worker's hold on a cell; :meth:`refresh` keeps it visibly alive for other hosts."""
+
     path: Path
+    refresh_every: float = STALE_AFTER / 4
+    _last: float = 0.0
 
     def refresh(self) -> None:
-        os.utime(self.path)
+        """Touch the claim, at most every ``refresh_every`` seconds (cheap to call every step)."""
+        if time.monotonic() - self._last >= self.refresh_every:
+            os.utime(self.path)
+            self._last = time.monotonic()
 
     def release(self) -> None:
         try:
@@ -125,12 +133,14 @@ class Claim:
 
 
 def claim_is_stale(path: Path) -> bool:
+    """Whether a claim's holder is gone: a dead pid on this host, or no refresh for STALE_AFTER."""
     try:
         holder = read_json(path)
+        age = time.time() - path.stat().st_mtime
     except FileNotFoundError:
         return True
     except StoreError:
-        return True  # a claim cut by a crash
+        return True  # claims are written whole (see claim()), so an unreadable one is damage
     if holder.get("host") == socket.gethostname():
         try:
             os.kill(int(holder["pid"]), 0)
@@ -139,25 +149,31 @@ def claim_is_stale(path: Path) -> bool:
         except (PermissionError, KeyError, ValueError, TypeError):
             return False
         return False
-    return time.time() - path.stat().st_mtime > STALE_AFTER
+    return age > STALE_AFTER
 
 
 def claim(cell_dir: Path) -> Claim:
-    """Take the cell's claim or raise :class:`CellBusy`; stale claims of dead workers are taken over."""
+    """Take the cell's claim or raise :class:`CellBusy`; stale claims of dead workers are taken over.
+
+    The claim appears whole: it is written to a private file and hard-linked into place, which
+    fails if a claim exists. Taking over a stale claim happens under a file lock, so two workers
+    that both find it stale cannot both win.
+    """
     path = cell_dir / CLAIM_FILE
-    payload = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": now()}).encode()
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            if not claim_is_stale(path):
-                raise CellBusy(f"{cell_dir.name} is being run by {path.read_text().strip()}") from None
-            path.unlink(missing_ok=True)
-            continue
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(payload)
-        return Claim(path)
-    raise CellBusy(f"{cell_dir.name}: could not take the claim at {path}")
+    mine = cell_dir / f".claim.{socket.gethostname()}.{os.getpid()}"
+    mine.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": now()}))
+    try:
+        with FileLock(str(cell_dir / ".claim.lock"), timeout=60):
+            try:
+                os.link(mine, path)
+            except FileExistsError:
+                if not claim_is_stale(path):
+                    raise CellBusy(f"{cell_dir.name} is being run by {path.read_text().strip()}") from None
+                os.replace(mine, path)  # atomic takeover, serialised by the lock
+                return Claim(path)
+    finally:
+        mine.unlink(missing_ok=True)
+    return Claim(path)
 
 
 class CellRecorder:
@@ -194,10 +210,16 @@ class CellRecorder:
         if self._log is not None:
             self._log.close()
             self._log = None
-        records = read_records(self.dir)
+        try:
+            records = read_records(self.dir)
+        except StoreError as damaged:  # keep the step log as it is; the status must still be closed
+            self.warnings.append(f"records not converted to Parquet: {damaged}")
+            records = pd.DataFrame()
         if not records.empty:
-            buffer = self.dir / ".records.parquet.tmp"
+            buffer = self.dir / f".records.parquet.{os.getpid()}.tmp"
             records.to_parquet(buffer, index=False)
+            with open(buffer, "rb") as handle:
+                os.fsync(handle.fileno())
             os.replace(buffer, self.dir / "records.parquet")
         if summary is not None:
             atomic_write_json(self.dir / "summary.json", summary)

@@ -1,4 +1,4 @@
-"""load_runs on a run store written by hand per CONTRACTS.md, and ablate-analyze end to end."""
+"""load_runs on a run store written by hand per the layout of ablate/store.py, and ablate-analyze end to end."""
 
 import json
 import math

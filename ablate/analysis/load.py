@@ -2,7 +2,7 @@
 
 Sources:
 
-- ``"store"`` (default): the local run store (CONTRACTS.md), the source of truth. ``path`` is
+- ``"store"`` (default): the local run store (layout in ablate/store.py), the source of truth. ``path`` is
   a sweep directory ``<store>/<sweep>``, or the store root with ``sweep=`` given.
 - ``"wandb-offline"``: W&B offline run directories found anywhere under ``path`` (for example
   the cells' ``wandb/`` folders), decoded with :mod:`ablate.tracking.offline_reader`;
@@ -10,8 +10,10 @@ Sources:
   ``ablate-analyze --dashboard``) are skipped in both W&B sources.
 - ``"wandb"``: the W&B API; ``path`` is ``"entity/project"`` and ``sweep=`` the group.
 
-Each cell row holds ``sweep, cell_id, name, backend, policy, budget, seed, status`` (store
-cells also ``path``), the outcomes of :func:`ablate.analysis.outcomes.cell_outcomes`,
+Each cell row holds ``sweep, cell_id, name, backend, policy, policy_name, variant, budget, seed,
+status`` (store cells also ``path``). ``policy`` is the arm: the policy name, plus its non-default
+settings in brackets when it has any (``fisher[tau=1.0]``), so a settings sweep gives one row per
+arm in the tables; ``policy_name`` is the bare name. Then the outcomes of :func:`ablate.analysis.outcomes.cell_outcomes`,
 recomputed from the per-step records with ``outcome_settings`` (so analysis settings can
 change after the sweep), and the last finite value of every logged diagnostics key.
 
@@ -38,7 +40,20 @@ import pandas as pd
 
 from ablate.analysis.outcomes import cell_outcomes
 
-ID_COLUMNS: tuple[str, ...] = ("sweep", "cell_id", "name", "backend", "policy", "budget", "seed", "status")
+ID_COLUMNS: tuple[str, ...] = (
+    "sweep", "cell_id", "name", "backend", "policy", "policy_name", "variant", "budget", "seed", "status",
+)
+
+
+def _with_arm(meta: dict[str, Any]) -> dict[str, Any]:
+    """``policy`` becomes the arm: the policy name plus its non-default settings, if any.
+
+    Cells of one policy with other settings (``fisher[tau=1.0]``, ``random[per_layer=True]``) are
+    different arms, so tables and effects keep them apart; ``policy_name`` keeps the bare name.
+    """
+    variant = meta.get("variant") or ""
+    name = meta.get("policy")
+    return {**meta, "policy_name": name, "variant": variant, "policy": f"{name}[{variant}]" if variant else name}
 Source = Literal["store", "wandb-offline", "wandb"]
 #: W&B runs of this job type hold analysis results, not cells (see ``dashboard.log_summary_table``).
 SUMMARY_JOB_TYPE = "summary"
@@ -133,7 +148,7 @@ def _read_store(
             corrupt.append(str(error))
             continue
         meta = {**meta, "sweep": meta.get("sweep", sweep_dir.name), "status": status, "path": str(cell_dir)}
-        cells.append((meta, records))
+        cells.append((_with_arm(meta), records))
     return cells, excluded, corrupt
 
 
@@ -171,10 +186,11 @@ def _read_wandb_offline(
             "policy": config.get("policy"),
             "budget": config.get("budget"),
             "seed": config.get("seed"),
+            "variant": config.get("variant", ""),
             "status": "complete",
             "path": str(run.path),
         }
-        cells.append((meta, history_frame(run)))
+        cells.append((_with_arm(meta), history_frame(run)))
     return cells, excluded, corrupt
 
 
@@ -205,10 +221,11 @@ def _read_wandb_api(
             "policy": config.get("policy"),
             "budget": config.get("budget"),
             "seed": config.get("seed"),
+            "variant": config.get("variant", ""),
             "status": "complete",
             "path": run.url,
         }
-        cells.append((meta, records))
+        cells.append((_with_arm(meta), records))
     return cells, excluded, []
 
 

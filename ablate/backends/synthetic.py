@@ -102,16 +102,17 @@ class FisherProbe:
         self.hidden: dict[int, Tensor] = {}
         self.chosen: dict[int, Tensor] = {}
 
-    def sq_grads(self, num_experts: int, scale: float) -> tuple[Tensor, Tensor]:
+    def sq_grads(self, num_experts: int, scale: float, valid: Tensor) -> tuple[Tensor, Tensor]:
         """Per-token squared gradients ``[tokens, layers, experts]`` and which tokens count.
 
         ``scale`` undoes the ``1 / tokens`` of a mean loss, so the estimate does not depend on
-        the batch size.
+        the batch size. Only valid tokens count; expert estimators count only routed tokens.
         """
         chosen = torch.stack([self.chosen[layer] for layer in sorted(self.chosen)], dim=1)
-        routed = torch.zeros(*chosen.shape[:2], num_experts).scatter_(-1, chosen, 1.0)
+        counted = valid[:, None, None].float()
+        routed = torch.zeros(*chosen.shape[:2], num_experts).scatter_(-1, chosen, 1.0) * counted
         if self.estimator == "router_logits":
-            return router_logit_sq_grads(self.logits.stacked() * scale), torch.ones(1, 1, 1)
+            return router_logit_sq_grads(self.logits.stacked() * scale), counted
         if self.estimator == "expert_outputs":
             return expert_output_sq_grads(self.outputs.stacked() * scale), routed
         per_layer = []
@@ -303,7 +304,7 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
         optimizer.step()
         engine.sync(model)
-        fisher.accumulate(*probe.sq_grads(cfg.experts, scale=float(ratio.numel())))
+        fisher.accumulate(*probe.sq_grads(cfg.experts, scale=float(ratio.numel()), valid=valid))
         fisher.step()
 
         with torch.no_grad():

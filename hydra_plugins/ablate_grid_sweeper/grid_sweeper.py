@@ -66,7 +66,8 @@ class AblateGridSweeper(BasicSweeper):
         log.info(describe_plan(sweep_name, planned))
         if self.dry_run:
             for cell in planned:
-                print(f"{cell.state:<10} {cell.cell.name:<28} {' '.join(cell.overrides[:-1])}")
+                shown = [o for o in cell.overrides if not o.startswith("store_dir=")]
+                print(f"{cell.state:<10} {cell.cell.name:<28} {' '.join(shown)}")
             return []
 
         sweep_dir = Path(self.config.hydra.sweep.dir)

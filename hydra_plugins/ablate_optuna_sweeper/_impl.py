@@ -99,6 +99,8 @@ class OptunaStudySweep:
             study.study_name, self._storage_text(), finished, len(interrupted), to_ask, self.n_trials,
             ", ".join(f"{k}={v}" for k, v in space.distributions.items()) or "empty",
         )
+        # Every worker writes to the same store, wherever its working directory is (Ray, SLURM).
+        store = f"store_dir={Path(str(self.config.store_dir)).expanduser().absolute()}"
         while interrupted or to_ask:
             batch: list[tuple[int, dict[str, Any]]] = []
             while interrupted and len(batch) < self.n_jobs:
@@ -109,7 +111,7 @@ class OptunaStudySweep:
                 batch.append((trial.number, trial.params))
                 to_ask -= 1
             returns = self.launcher.launch(
-                [[*space.trial_overrides(params), f"{TRIAL_KEY}={number}"] for number, params in batch],
+                [[*space.trial_overrides(params), f"{TRIAL_KEY}={number}", store] for number, params in batch],
                 initial_job_idx=self.job_idx,
             )
             self.job_idx += len(returns)

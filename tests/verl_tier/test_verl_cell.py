@@ -61,3 +61,11 @@ def test_fsdp_engine_is_refused_before_launch(tmp_path):
         tmp_path, "policy=random", "budget=0.5", "backend.overrides=['actor_rollout_ref.actor.strategy=fsdp']"))
     with pytest.raises(VerlLaunchError):
         build_command(cell, tmp_path / "m.jsonl")
+
+
+def test_expert_estimators_are_refused_on_verl(tmp_path):
+    from ablate.backends.verl.launch import VerlLaunchError
+
+    cell = cell_from_config(verl_cell_config(tmp_path, "policy=fisher", "budget=0.5", "policy.fisher.estimator=expert_outputs"))
+    with pytest.raises(VerlLaunchError, match="policy.fisher.estimator=expert_outputs on backend=verl"):
+        build_command(cell, tmp_path / "m.jsonl")

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ablate.backends.verl.launch import check_cell_config, check_verl, compose, verl_overrides
+from ablate.backends.verl.launch import VerlLaunchError, check_cell_config, check_verl, compose, verl_overrides
 from ablate.cell import Cell
 from ablate.config import VerlConfig
 from ablate.diagnostics import SCHEMA
@@ -77,6 +77,12 @@ def build_command(cell: Cell, metrics_file: Path) -> tuple[list[str], dict[str, 
     """The verl command line and environment of a cell; checks verl and the config first."""
     cfg: VerlConfig = cell.backend  # type: ignore[assignment]
     check_verl()
+    estimator = str(getattr(cell.fisher.estimator, "value", cell.fisher.estimator))
+    if estimator != "router_logits":
+        raise VerlLaunchError(
+            f"policy.fisher.estimator={estimator} on backend=verl: the verl hook measures router-logit "
+            "gradients only; expected router_logits"
+        )
     config_dir = Path(cfg.config_dir) if cfg.config_dir else EXAMPLES
     settings = dict(cell.policy_settings)
     settings.update({"decay": cell.fisher.decay, "normalize": str(getattr(cell.fisher.normalize, "value", cell.fisher.normalize))})
@@ -96,6 +102,7 @@ def run_cell_steps(cell: Cell, log_step: Callable[..., None]) -> None:
     cfg: VerlConfig = cell.backend  # type: ignore[assignment]
     metrics_file = Path(os.environ.get("ABLATE_CELL_DIR", ".")) / "verl_metrics.jsonl"
     command, env = build_command(cell, metrics_file)
+    metrics_file.unlink(missing_ok=True)  # a rerun must not replay the previous attempt's steps
     if cfg.dry_run:
         print(" ".join(command))
         return

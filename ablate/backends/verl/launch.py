@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -107,40 +106,12 @@ def compose(config_dir: str | Path, config_name: str, overrides: Sequence[str]):
         return hydra_compose(config_name=config_name, overrides=list(overrides))
 
 
-def launch(
-    policy: str,
-    budget: float | None,
-    seed: int,
-    settings: Mapping[str, Any] | None,
-    extra_overrides: Sequence[str],
-    *,
-    config_dir: str | Path,
-    config_name: str = "ablate_ppo",
-    dry_run: bool = False,
-) -> list[str]:
-    """Check verl and the composed config, then run ``python -m verl.trainer.main_ppo`` for one cell.
-
-    Returns the command. ``dry_run`` checks and returns without running.
-    """
-    check_verl()
-    overrides = verl_overrides(policy, budget, seed, settings) + list(extra_overrides)
-    check_cell_config(compose(config_dir, config_name, overrides))
-    command = [
-        sys.executable, "-m", "verl.trainer.main_ppo",
-        f"--config-path={Path(config_dir).resolve()}", f"--config-name={config_name}", *overrides,
-    ]
-    if not dry_run:
-        subprocess.run(command, check=True)
-    return command
-
-
 __all__ = [
     "FIXED_BUDGETS",
     "VerlLaunchError",
     "check_cell_config",
     "check_verl",
     "compose",
-    "launch",
     "required_verl",
     "verl_overrides",
 ]
