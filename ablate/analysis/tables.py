@@ -29,8 +29,10 @@ from ablate.analysis.stats import (
     paired_bootstrap_ci,
     sign_flip_pvalue,
 )
+from ablate.budget import FIXED_BUDGETS
 
-FIXED_BUDGET_POLICIES: dict[str, float] = {"none": 0.0, "full": 1.0}
+#: Policies with one budget by definition (none: 0, full: 1), from the shared budget rule.
+FIXED_BUDGET_POLICIES = FIXED_BUDGETS
 POLICY_ORDER: tuple[str, ...] = ("none", "full", "random", "uniform", "fisher", "mismatch")
 SELECTION_BASELINES: tuple[str, ...] = ("random", "uniform")
 EFFECT_COLUMNS: tuple[str, ...] = (
