@@ -29,7 +29,7 @@ from optuna.storages import BaseStorage, JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, TrialState
 
-from ._search_space import SearchSpace, parse_search_space
+from ._search_space import parse_search_space
 from .config import SamplerConf, SamplerName
 
 log = logging.getLogger(__name__)
