@@ -65,6 +65,20 @@ def test_smoke_grid_in_process(tmp_path):
     again = smoke(store)
     assert again.returncode == 0
     assert "20 complete (skipped)" in again.stdout and "0 complete, 0 failed, 20 skipped" in again.stdout
+    # From the real run store to the summary table and the plots.
+    out = tmp_path / "analysis"
+    analysis = subprocess.run([sys.executable, "-m", "ablate.analysis", str(store / "smoke"), "--out", str(out),
+                               "--reps", "200"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert analysis.returncode == 0, analysis.stdout[-3000:]
+    table = (out / "table_final_reward.md").read_text().splitlines()
+    rows = [line for line in table if line.startswith("| ") and not line.startswith(("| policy", "| :"))]
+    arms = {tuple(cell.strip() for cell in row.split("|")[1:3]) for row in rows}
+    assert arms == {("none", "0"), ("full", "1")} | {
+        (p, b) for p in ("random", "uniform", "fisher", "mismatch") for b in ("0.1", "0.5")}
+    assert len(rows) == 10
+    for plot in ("budget_response_final_reward", "selection_effects_final_reward", "steps"):
+        for suffix in (".png", ".svg"):
+            assert (out / f"{plot}{suffix}").stat().st_size > 1000
 
 
 def test_smoke_grid_with_joblib(tmp_path):
