@@ -7,7 +7,7 @@ pytest.importorskip("verl.protocol", reason="verl 0.9.1 is not installed here: b
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from ablate.app import CONFIG_DIR  # noqa: E402
-from ablate.backends.verl.backend import TRAIN_KEYS, build_command, split_metrics  # noqa: E402
+from ablate.backends.verl.backend import VERL_KEYS, build_command, split_metrics  # noqa: E402
 from ablate.cell import cell_from_config  # noqa: E402
 from ablate.runner import run_cell  # noqa: E402
 from ablate.store import read_json  # noqa: E402
@@ -26,10 +26,12 @@ def test_split_metrics_maps_verl_training_metrics_and_keeps_native_names():
         "critic/score/mean": 0.5, "actor/pg_loss": -0.1, "replay/override_rate": 0.2, "rollout_corr/k3_kl": 0.01,
         "timing_s/step": 3.0, "response_length/mean": 100, "note": "text", "flag": True,
     })
-    assert record == {"train/reward": 0.5, "train/loss": -0.1, "replay/override_rate": 0.2}
+    assert record == {"train/reward": 0.5, "train/loss": -0.1, "replay/override_rate": 0.2, "mismatch/kl_k3": 0.01}
     assert native == {"critic/score/mean": 0.5, "actor/pg_loss": -0.1, "rollout_corr/k3_kl": 0.01,
                       "timing_s/step": 3.0, "response_length/mean": 100.0}
-    assert set(TRAIN_KEYS.values()) <= {k for k in __import__("ablate").diagnostics.SCHEMA}
+    from ablate.diagnostics import SCHEMA
+
+    assert set(VERL_KEYS.values()) <= set(SCHEMA)
 
 
 @pytest.mark.parametrize("policy, budget, mode", [

@@ -3,8 +3,9 @@
 verl writes its per-step metrics with its own ``file`` logger (JSON lines, path set through
 ``VERL_FILE_LOGGER_PATH``); this module follows that file while verl runs and hands every step to
 the cell runner: the schema keys the worker hook emits (``replay/``, ``routing/``), verl's
-training metrics mapped onto ``train/``, and every other numeric verl metric beside them under
-its own name (``rollout_corr/*``, ``training/rollout_probs_diff_*``, ...), outside the schema.
+training and rollout-correction metrics mapped onto ``train/`` and ``mismatch/``, and every other numeric verl metric beside them under
+its own name (``rollout_corr/*``, ``training/rollout_probs_diff_*``, ...), outside the schema;
+the mapped ones are kept under their verl names too.
 """
 
 from __future__ import annotations
@@ -25,8 +26,14 @@ from ablate.diagnostics import SCHEMA
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "verl"
 
-#: verl metric -> schema key, where the two mean the same thing.
-TRAIN_KEYS = {
+#: verl metric -> schema key, where the two mean the same thing. verl's rollout_corr helper takes
+#: l = old_log_prob - rollout_log_prob over response tokens: ``kl`` is mean(-l) (our k1) and
+#: ``k3_kl`` is mean(exp(l) - 1 - l) (our k3). The old-log-prob pass replays the cell's mask (all
+#: policies but ``mismatch``, which needs that pass's native routes), so they measure the
+#: mismatch left after replay.
+VERL_KEYS = {
+    "rollout_corr/kl": "mismatch/kl_k1",
+    "rollout_corr/k3_kl": "mismatch/kl_k3",
     "critic/score/mean": "train/reward",
     "critic/score/std": "train/reward_std",
     "actor/pg_loss": "train/loss",
@@ -45,8 +52,8 @@ def split_metrics(data: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, 
             continue
         if key in SCHEMA:
             record[key] = float(value)
-        elif key in TRAIN_KEYS:
-            record[TRAIN_KEYS[key]] = float(value)
+        elif key in VERL_KEYS:
+            record[VERL_KEYS[key]] = float(value)
             native[key] = float(value)
         else:
             native[key] = float(value)
