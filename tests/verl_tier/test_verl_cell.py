@@ -71,3 +71,13 @@ def test_expert_estimators_are_refused_on_verl(tmp_path):
     cell = cell_from_config(verl_cell_config(tmp_path, "policy=fisher", "budget=0.5", "policy.fisher.estimator=expert_outputs"))
     with pytest.raises(VerlLaunchError, match="policy.fisher.estimator=expert_outputs on backend=verl"):
         build_command(cell, tmp_path / "m.jsonl")
+
+
+def test_counts_travel_outside_the_schema_through_verl_averaging():
+    from ablate.backends.verl.hook import verl_metric_name
+
+    assert verl_metric_name("replay/override_rate") == "replay/override_rate"
+    assert verl_metric_name("replay/valid_routes") == "ablate_verl/replay_valid_routes_per_update"
+    assert verl_metric_name("replay/fisher_fallback") == "ablate_verl/replay_fisher_fallback_per_update"
+    record, native = split_metrics({"ablate_verl/replay_valid_routes_per_update": 10.5, "replay/budget_realized": 0.25})
+    assert record == {"replay/budget_realized": 0.25} and "ablate_verl/replay_valid_routes_per_update" in native

@@ -400,7 +400,7 @@ def install(hook: ReplayMaskHook) -> ReplayMaskHook:
         metrics = hook.end(forward_only)
         if not forward_only and isinstance(output, dict) and "metrics" in output:
             for key, value in metrics.items():
-                output["metrics"].setdefault(key, []).append(value)
+                output["metrics"].setdefault(verl_metric_name(key), []).append(value)
         return output
 
     transformer_impl.set_router_replay_data = set_router_replay_data
@@ -437,6 +437,20 @@ def _pending_mask(replay, actions) -> Tensor | None:
 
 
 # ---------------------------------------------------------------------------------- metrics
+def verl_metric_name(key: str) -> str:
+    """The name a hook metric travels under through verl, which averages it over update calls.
+
+    Ratios keep their schema names: an average of per-call ratios is still a ratio. Counts and
+    flags would stop being whole numbers, so they travel under ``ablate_verl/<key>_per_update``,
+    outside the schema, as what they then are: means per update call.
+    """
+    from ablate.diagnostics import SCHEMA
+
+    if SCHEMA[key].kind in ("count", "flag"):
+        return f"ablate_verl/{key.replace('/', '_')}_per_update"
+    return key
+
+
 def metrics_from_counters(c: dict[str, float], budget: float | None) -> dict[str, float]:
     """Schema v1 ``replay/`` and ``routing/`` keys from summed counters (NaN where undefined)."""
 
