@@ -152,6 +152,22 @@ def _read_store(
     return cells, excluded, corrupt
 
 
+def _wandb_meta(config: dict[str, Any], *, group: str, name: str, run_id: str, path: str) -> dict[str, Any]:
+    """A cell's identity from the flattened config the cell runner gives W&B (offline or online)."""
+    return _with_arm({
+        "sweep": group,
+        "cell_id": config.get("cell_id", run_id),
+        "name": name,
+        "backend": config.get("backend"),
+        "policy": config.get("policy"),
+        "budget": config.get("budget"),
+        "seed": config.get("seed"),
+        "variant": config.get("variant", ""),
+        "status": "complete",
+        "path": path,
+    })
+
+
 def _read_wandb_offline(
     root: Path, sweep: str | None, on_corrupt: str
 ) -> tuple[list[tuple[dict[str, Any], pd.DataFrame]], dict[str, int], list[str]]:
@@ -177,20 +193,8 @@ def _read_wandb_offline(
         if run.exit_code:
             excluded["failed"] += 1
             continue
-        config = run.config
-        meta = {
-            "sweep": run.group,
-            "cell_id": config.get("cell_id", run.run_id),
-            "name": run.name,
-            "backend": config.get("backend"),
-            "policy": config.get("policy"),
-            "budget": config.get("budget"),
-            "seed": config.get("seed"),
-            "variant": config.get("variant", ""),
-            "status": "complete",
-            "path": str(run.path),
-        }
-        cells.append((_with_arm(meta), history_frame(run)))
+        meta = _wandb_meta(run.config, group=run.group, name=run.name, run_id=run.run_id, path=str(run.path))
+        cells.append((meta, history_frame(run)))
     return cells, excluded, corrupt
 
 
@@ -213,19 +217,8 @@ def _read_wandb_api(
         if "step" not in records.columns and "_step" in records.columns:
             records = records.rename(columns={"_step": "step"})
         records = records[[c for c in records.columns if not c.startswith("_")]]
-        meta = {
-            "sweep": run.group,
-            "cell_id": config.get("cell_id", run.id),
-            "name": run.name,
-            "backend": config.get("backend"),
-            "policy": config.get("policy"),
-            "budget": config.get("budget"),
-            "seed": config.get("seed"),
-            "variant": config.get("variant", ""),
-            "status": "complete",
-            "path": run.url,
-        }
-        cells.append((_with_arm(meta), records))
+        meta = _wandb_meta(config, group=run.group, name=run.name, run_id=run.id, path=run.url)
+        cells.append((meta, records))
     return cells, excluded, []
 
 
