@@ -29,6 +29,14 @@ log = logging.getLogger(__name__)
 STRICT_SCHEMA_ENV = "ABLATE_STRICT_SCHEMA"
 
 
+def in_multirun() -> bool:
+    """Inside a sweep the sweeper reports progress; a per-cell line would garble it."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
 def store_root(cfg: DictConfig) -> Path:
     return Path(str(cfg.store_dir)).expanduser().absolute()
 
@@ -63,7 +71,8 @@ def run_cell(cfg: DictConfig) -> dict[str, Any]:
             run_dir=directory, group=cell.sweep, job_type=cell.policy, name=cell.name,
             config=cell.flat_config(resolved), init_timeout=cfg.tracking.init_timeout,
         )
-        progress = Progress(cell.name, int(getattr(cell.backend, "steps", 0) or 0), enabled=cfg.tracking.progress)
+        progress = Progress(cell.name, int(getattr(cell.backend, "steps", 0) or 0),
+                            enabled=cfg.tracking.progress and not in_multirun())
         strict = os.environ.get(STRICT_SCHEMA_ENV) == "1"
 
         def log_step(step: int, record: dict[str, float], native: dict[str, float] | None = None) -> None:
