@@ -8,6 +8,7 @@ experts chosen for that token at that layer. Tokens are flattened: a verl batch
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -104,6 +105,15 @@ class Routes:
     def num_valid_routes(self) -> int:
         """``N`` of DESIGN.md: valid tokens times MoE layers."""
         return self.num_valid_tokens * self.num_layers
+
+    @cached_property
+    def native_overlap(self) -> Tensor | None:
+        """``[tokens, layers]`` experts shared by rollout and native routes (None without native).
+
+        Computed once per batch: the ``mismatch`` policy and the diagnostics both need it, and it
+        is the most expensive pass over the routes. Routes are immutable, so the cache is safe.
+        """
+        return None if self.native is None else overlap_count(self.rollout, self.native)
 
     def valid_routes(self) -> Tensor:
         """``[tokens, layers]`` bool: True on every route of a valid token."""

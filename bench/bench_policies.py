@@ -119,6 +119,8 @@ def main() -> None:
         budget = {"none": 0.0, "full": 1.0}.get(name, args.budget)
 
         def step() -> None:
+            # Each step is a new batch: drop the per-batch cache so the overlap is paid every time.
+            routes.__dict__.pop("native_overlap", None)
             mask = policy.select(routes, budget, generator=torch.Generator().manual_seed(0))
             route_diagnostics(routes, mask, budget, logp_train=logp_train, logp_rollout=logp_rollout,
                               fisher_scores=fisher if name == "fisher" else None)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ablate.policies.builtin import route_scores
-from ablate.routes import Routes, overlap_count, token_chunks
+from ablate.routes import Routes, token_chunks
 
 NAN = float("nan")
 
@@ -31,13 +31,8 @@ def replay_metrics(
     *,
     fisher_scores: Tensor | None = None,
     fisher_fallback: bool = False,
-    overlap: Tensor | None = None,
 ) -> dict[str, float]:
-    """``replay/`` keys for one replay mask ``[tokens, layers]``.
-
-    ``overlap`` may pass a precomputed :func:`ablate.routes.overlap_count` of rollout and native
-    routes to avoid computing it twice.
-    """
+    """``replay/`` keys for one replay mask ``[tokens, layers]``."""
     mask = mask & routes.valid[:, None]
     replayed = int(mask.sum())
     valid_routes = routes.num_valid_routes
@@ -50,10 +45,8 @@ def replay_metrics(
         "replay/fisher_mass": NAN,
         "replay/fisher_fallback": float(bool(fisher_fallback)),
     }
-    if routes.native is not None:
-        if overlap is None:
-            overlap = overlap_count(routes.rollout, routes.native)
-        overridden = (overlap < routes.topk) & mask
+    if routes.native_overlap is not None:
+        overridden = (routes.native_overlap < routes.topk) & mask
         metrics["replay/override_rate"] = _ratio(overridden.sum(), replayed)
     if fisher_scores is not None:
         score = route_scores(fisher_scores, routes)
@@ -62,16 +55,15 @@ def replay_metrics(
     return metrics
 
 
-def routing_metrics(routes: Routes, mask: Tensor, *, overlap: Tensor | None = None) -> dict[str, float]:
+def routing_metrics(routes: Routes, mask: Tensor) -> dict[str, float]:
     """``routing/`` keys: rollout versus native routes, and what the mask did about them.
 
     All NaN when the routes carry no native routes (nothing to compare against).
     """
     keys = ("route_mismatch_rate", "token_mismatch_rate", "topk_overlap", "mismatch_recall", "residual_mismatch_rate")
-    if routes.native is None:
-        return {f"routing/{key}": NAN for key in keys}
+    overlap = routes.native_overlap
     if overlap is None:
-        overlap = overlap_count(routes.rollout, routes.native)
+        return {f"routing/{key}": NAN for key in keys}
     valid = routes.valid[:, None]
     mismatched = (overlap < routes.topk) & valid
     num_mismatched = mismatched.sum()
@@ -179,11 +171,8 @@ def route_diagnostics(
 
     Log-probs are per token, ``[tokens]``, aligned with ``routes.valid``.
     """
-    overlap = overlap_count(routes.rollout, routes.native) if routes.native is not None else None
-    record = replay_metrics(
-        routes, mask, budget, fisher_scores=fisher_scores, fisher_fallback=fisher_fallback, overlap=overlap
-    )
-    record.update(routing_metrics(routes, mask, overlap=overlap))
+    record = replay_metrics(routes, mask, budget, fisher_scores=fisher_scores, fisher_fallback=fisher_fallback)
+    record.update(routing_metrics(routes, mask))
     record.update(load_metrics(expert_load(routes, mask)))
     if logp_train is not None and logp_rollout is not None:
         record.update(mismatch_metrics(logp_train, logp_rollout, routes.valid, extreme_threshold=extreme_threshold))

@@ -12,7 +12,7 @@ from torch import Tensor
 from ablate.budget import layer_quotas
 from ablate.policies.base import PolicyError, ReplayPolicy, register_policy
 from ablate.policies.selection import gumbel_noise, uniform_noise
-from ablate.routes import Routes, overlap_count, token_chunks
+from ablate.routes import Routes, token_chunks
 
 
 @register_policy("none")
@@ -166,4 +166,4 @@ class MismatchReplay(ReplayPolicy):
     def route_keys(self, routes: Routes, rows: Tensor, generator: torch.Generator | None) -> Tensor:
         if routes.native is None:
             raise PolicyError("policy=mismatch needs native routes: build Routes(..., native=<[tokens, layers, topk]>)")
-        return (routes.topk - overlap_count(routes.rollout, routes.native)[rows]).float()
+        return (routes.topk - routes.native_overlap[rows]).float()
