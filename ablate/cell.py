@@ -11,13 +11,12 @@ import hashlib
 import inspect
 import json
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from ablate.budget import FIXED_BUDGETS, check_budget
-from ablate.config import BackendConfig, FisherEstimateConfig
+from ablate.config import BackendConfig, FisherEstimateConfig, choice_value
 from ablate.diagnostics import SCHEMA_VERSION
 from ablate.fisher import FisherTracker
 from ablate.policies import ReplayPolicy, available_policies, get_policy
@@ -143,8 +142,6 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         name = f"{prefix}{key}"
         if isinstance(value, dict):
             flat.update(_flatten(value, name + "."))
-        elif isinstance(value, Enum):
-            flat[name] = value.value
         else:
             flat[name] = value
     return flat
@@ -152,12 +149,8 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def policy_for(cell: Cell, num_layers: int, num_experts: int) -> tuple[ReplayPolicy, FisherTracker]:
     """The cell's policy and its Fisher tracker (kept for every policy, to log its Fisher mass)."""
-    fisher = FisherTracker(num_layers, num_experts, decay=cell.fisher.decay, normalize=_value(cell.fisher.normalize))
+    fisher = FisherTracker(num_layers, num_experts, decay=cell.fisher.decay, normalize=choice_value(cell.fisher.normalize))
     settings = dict(cell.policy_settings)
     if cell.policy == "fisher":
         settings["fisher"] = fisher
     return get_policy(cell.policy, **settings), fisher
-
-
-def _value(choice: Any) -> Any:
-    return choice.value if isinstance(choice, Enum) else choice

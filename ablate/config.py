@@ -15,6 +15,11 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 
+def choice_value(choice: Enum | str) -> str:
+    """The string behind a config choice: an enum member from a typed node, or a plain string."""
+    return choice.value if isinstance(choice, Enum) else choice
+
+
 class TrackingMode(str, Enum):
     offline = "offline"
     online = "online"

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from ablate.analysis.outcomes import cell_outcomes
 from ablate.backends import backend_runner
 from ablate.cell import Cell, cell_from_config, resolved_config
+from ablate.config import choice_value
 from ablate.diagnostics import validate_record
 from ablate.progress import Progress
 from ablate.store import CellRecorder, held, is_complete, read_json, read_records, read_summary
@@ -66,7 +67,7 @@ def run_cell(cfg: DictConfig) -> dict[str, Any]:
             OmegaConf.to_yaml(resolved), attempt,
         )
         tracker = start_tracker(
-            mode=str(cfg.tracking.mode.value if hasattr(cfg.tracking.mode, "value") else cfg.tracking.mode),
+            mode=choice_value(cfg.tracking.mode),
             project=cfg.tracking.project, entity=cfg.tracking.entity, tags=list(cfg.tracking.tags),
             run_dir=directory, group=cell.sweep, job_type=cell.policy, name=cell.name,
             config=cell.flat_config(resolved), init_timeout=cfg.tracking.init_timeout,

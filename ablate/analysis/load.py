@@ -29,7 +29,6 @@ file listed in ``df.attrs["corrupt_files"]`` and named in the warning.
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
 from pathlib import Path
@@ -39,6 +38,7 @@ import numpy as np
 import pandas as pd
 
 from ablate.analysis.outcomes import cell_outcomes
+from ablate.store import StoreError, read_json
 
 ID_COLUMNS: tuple[str, ...] = (
     "sweep", "cell_id", "name", "backend", "policy", "policy_name", "variant", "budget", "seed", "status",
@@ -107,13 +107,11 @@ def _sweep_dir(path: Path, sweep: str | None) -> Path:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
+    """The store's own reader; its errors name the file and become this module's corrupt-cell error."""
     try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise CorruptCellError(f"{path}: unreadable JSON ({error})") from error
-    if not isinstance(value, dict):
-        raise CorruptCellError(f"{path}: expected a JSON object, found {type(value).__name__}")
-    return value
+        return read_json(path)
+    except StoreError as error:
+        raise CorruptCellError(str(error)) from error
 
 
 def _read_records(path: Path) -> pd.DataFrame:

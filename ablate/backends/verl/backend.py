@@ -21,7 +21,7 @@ from typing import Any
 
 from ablate.backends.verl.launch import VerlLaunchError, check_cell_config, check_verl, compose, verl_overrides
 from ablate.cell import Cell
-from ablate.config import VerlConfig
+from ablate.config import VerlConfig, choice_value
 from ablate.diagnostics import SCHEMA
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "verl"
@@ -84,7 +84,7 @@ def build_command(cell: Cell, metrics_file: Path) -> tuple[list[str], dict[str, 
     """The verl command line and environment of a cell; checks verl and the config first."""
     cfg: VerlConfig = cell.backend  # type: ignore[assignment]
     check_verl()
-    estimator = str(getattr(cell.fisher.estimator, "value", cell.fisher.estimator))
+    estimator = choice_value(cell.fisher.estimator)
     if estimator != "router_logits":
         raise VerlLaunchError(
             f"policy.fisher.estimator={estimator} on backend=verl: the verl hook measures router-logit "
@@ -92,7 +92,7 @@ def build_command(cell: Cell, metrics_file: Path) -> tuple[list[str], dict[str, 
         )
     config_dir = Path(cfg.config_dir) if cfg.config_dir else EXAMPLES
     settings = dict(cell.policy_settings)
-    settings.update({"decay": cell.fisher.decay, "normalize": str(getattr(cell.fisher.normalize, "value", cell.fisher.normalize))})
+    settings.update({"decay": cell.fisher.decay, "normalize": choice_value(cell.fisher.normalize)})
     overrides = [
         *verl_overrides(cell.policy, cell.budget, cell.seed, settings),
         "trainer.logger=[console,file]",
