@@ -120,3 +120,23 @@ def test_load_runs_from_wandb_offline_runs(offline_env):
     assert fisher["final_reward"] == pytest.approx(0.4 + 0.5)
     assert np.isclose(fisher["train/reward"], 0.9)
     assert df.attrs["excluded"] == {"failed": 0, "running": 0, "corrupt": 0}
+
+
+def test_dashboard_from_the_cli_twice_leaves_one_summary_run(offline_env, capsys):
+    from test_analysis_store import write_cell
+
+    from ablate.analysis.cli import main
+
+    sweep_dir = offline_env / "runs" / "toy"
+    for seed in (0, 1):
+        for noise in (0.0, 0.07):
+            write_cell(sweep_dir, "none", 0.0, seed, backend={"router_noise": noise})
+            write_cell(sweep_dir, "random", 0.5, seed, backend={"router_noise": noise})
+    out = offline_env / "analysis"
+    for _ in range(2):
+        assert main([str(sweep_dir), "--out", str(out), "--no-plots", "--reps", "50", "--dashboard"]) == 0
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and runs[0].name.endswith(summary_run_id("toy"))
+    grouping = json.loads((out / "workspace.json").read_text())["spec"]["section"]["runSets"][0]["grouping"]
+    assert {"section": "config", "name": "backend.router_noise.value"} in grouping
+    assert "workspace not saved: pass --entity" in capsys.readouterr().out

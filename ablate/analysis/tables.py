@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import dataclass
 from typing import Any, Hashable, Iterable, Sequence
 
 import numpy as np
@@ -193,7 +194,7 @@ def effects(
     keys = arm_keys(df, by)
     check_frame(df, outcome, keys)
     needed = resolve_min_seeds(min_seeds, level)
-    settings = _RowSettings(outcome, level, reps, seed, method, needed, HIGHER_IS_BETTER.get(outcome))
+    settings = _RowSettings(outcome, level, reps, seed, method, needed, HIGHER_IS_BETTER.get(outcome) is not False)
     rows: list[dict[str, Any]] = []
     for prefix, part in contexts(df, keys):
         arms = arm_values(part, outcome)
@@ -220,12 +221,17 @@ def effects(
     return table
 
 
+@dataclass(frozen=True)
 class _RowSettings:
-    def __init__(self, outcome: str, level: float, reps: int, seed: int, method: CiMethod, needed: int,
-                 higher_is_better: bool | None) -> None:
-        self.outcome, self.level, self.reps, self.seed, self.method = outcome, level, reps, seed, method
-        self.needed = needed
-        self.higher_is_better = higher_is_better is not False
+    """What every effect row of one table is computed with."""
+
+    outcome: str
+    level: float
+    reps: int
+    seed: int
+    method: CiMethod
+    needed: int  # fewest paired seeds for an interval
+    higher_is_better: bool  # outcomes with no better side count a larger value as the improvement
 
 
 def _row(
@@ -400,8 +406,8 @@ def check_frame(df: pd.DataFrame, outcome: str, keys: Sequence[str]) -> None:
     duplicated = df.duplicated(identity, keep=False)
     if not duplicated.any():
         return
-    first = df.loc[duplicated].iloc[0]
-    clash = df.loc[duplicated & (df[identity] == first[identity]).all(axis=1)]
+    _, clash = next(iter(df.loc[duplicated].groupby(identity, sort=False, dropna=False)))
+    first = clash.iloc[0]
     candidates = [*df.attrs.get("config_keys", []), "schema_version", "backend", "sweep", "cell_id"]
     differ = [key for key in candidates if key in clash.columns and key not in keys
               and clash[key].astype(str).nunique() > 1]
