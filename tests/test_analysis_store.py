@@ -2,15 +2,18 @@
 
 import json
 import math
+import subprocess
+import sys
 import warnings
 import zlib
 
 import numpy as np
 import pandas as pd
 import pytest
+import yaml
 
 from ablate.analysis.cli import main
-from ablate.analysis.load import CorruptCellError, ExcludedCellsWarning, load_runs
+from ablate.analysis.load import CorruptCellError, ExcludedCellsWarning, MixedSchemaWarning, load_runs
 from ablate.analysis.outcomes import OUTCOME_NAMES, cell_outcomes
 
 SWEEP = "toy"
@@ -40,19 +43,28 @@ def _records(policy, budget, seed):
         "mismatch/kl_k3": (1.0 - budget) * 0.01 + rng.uniform(0, 0.001, STEPS),
         "mismatch/extreme_token_frac": (1.0 - budget) * 0.02 * np.ones(STEPS),
         "replay/override_rate": override,
+        "replay/budget_realized": np.full(STEPS, budget),
         "routing/residual_mismatch_rate": (1.0 - budget) * 0.1 * np.ones(STEPS),
         "drift/experts": step / 100.0,
     })
 
 
-def write_cell(sweep_dir, policy, budget, seed, status="complete", records=True):
+def write_cell(sweep_dir, policy, budget, seed, status="complete", records=True, backend=None, schema="1.0"):
+    """A cell as the runner writes it; ``backend`` overrides keys of its resolved config."""
+    backend = {"name": "synthetic", "steps": STEPS, "router_noise": 0.07, **(backend or {})}
     name = f"{policy}-b{budget:g}-s{seed}"
-    cell_id = f"{zlib.crc32(name.encode()):08x}" * 2
+    cell_id = f"{zlib.crc32(json.dumps([name, backend, schema]).encode()):08x}" * 2
     cell_dir = sweep_dir / f"{name}-{cell_id[:8]}"
     cell_dir.mkdir(parents=True)
     (cell_dir / "cell.json").write_text(json.dumps({
         "cell_id": cell_id, "name": name, "sweep": sweep_dir.name, "backend": "synthetic",
-        "policy": policy, "budget": budget, "seed": seed, "schema_version": 1, "settings": {},
+        "policy": policy, "budget": budget, "seed": seed, "schema_version": schema, "settings": {},
+    }))
+    (cell_dir / "config.yaml").write_text(yaml.safe_dump({
+        "backend": backend, "policy": {"name": policy, "per_layer": False},
+        "tracking": {"mode": "offline", "tags": []}, "budget": budget, "seed": seed, "sweep": sweep_dir.name,
+        "store_dir": str(sweep_dir.parent), "objective": "final_reward", "device": "cpu", "trial": None,
+        "schema_version": schema,
     }))
     (cell_dir / "status.json").write_text(json.dumps({
         "status": status, "error": "boom" if status == "failed" else None, "traceback": None,
@@ -145,15 +157,126 @@ def test_cli_end_to_end(sweep_dir, capsys):
         for ext in ("png", "svg"):
             assert (out / f"{plot}.{ext}").stat().st_size > 1000
     effects_table = pd.read_csv(out / "effects_final_reward.csv")
-    assert "only 3 paired seeds" in effects_table["note"].iloc[0]
+    assert "3 paired seeds < 6: no interval" in effects_table["note"].iloc[0]
+    assert effects_table["ci_low"].isna().all() and effects_table["p_adj"].notna().all()
+    assert "p_adj: Holm (family-wise error) within each family" in printed
+    assert (out / "effective_budget_final_reward.png").stat().st_size > 1000
 
 
-def test_cli_fails_clearly_on_a_corrupt_cell_unless_skipped(sweep_dir, tmp_path, capsys):
+def test_cli_fails_in_one_line_on_a_corrupt_cell_unless_skipped(sweep_dir, tmp_path, capsys):
     bad = next(sweep_dir.glob("none-b0-s0-*")) / "cell.json"
     bad.write_text("{truncated")
-    with pytest.raises(CorruptCellError, match=str(bad)):
-        main([str(sweep_dir), "--out", str(tmp_path / "a")])
+    assert main([str(sweep_dir), "--out", str(tmp_path / "a")]) == 1
+    error = capsys.readouterr().err
+    assert error.startswith(f"ablate-analyze: {bad}: corrupt run store file") and "--skip-corrupt" in error
+    assert len(error.strip().splitlines()) == 1
     assert main([str(sweep_dir), "--out", str(tmp_path / "b"), "--reps", "50", "--skip-corrupt", "--no-plots"]) == 0
     assert f"corrupt: {bad}" in capsys.readouterr().out
     assert (tmp_path / "b" / "table_final_reward.md").exists()
     assert not list((tmp_path / "b").glob("*.png"))
+
+
+def _varied_sweep(tmp_path):
+    """The same grid at two router noise levels, plus a rerun of one level with another step count."""
+    sweep_dir = tmp_path / "runs" / "noise"
+    for noise in (0.0, 0.07):
+        for seed in (0, 1):
+            write_cell(sweep_dir, "none", 0.0, seed, backend={"router_noise": noise})
+            write_cell(sweep_dir, "random", 0.25, seed, backend={"router_noise": noise})
+    for seed in (0, 1):
+        write_cell(sweep_dir, "none", 0.0, seed, backend={"router_noise": 0.0, "steps": 5})
+    return sweep_dir
+
+
+def test_varied_config_keys_are_columns_and_filters(tmp_path):
+    sweep_dir = _varied_sweep(tmp_path)
+    df = load_runs(sweep_dir)
+    assert df.attrs["config_keys"] == ["backend.router_noise", "backend.steps"]
+    assert sorted(df["backend.router_noise"].unique()) == [0.0, 0.07]
+    assert "policy.name" not in df.columns and "tracking.mode" not in df.columns and "store_dir" not in df.columns
+    kept = load_runs(sweep_dir, where={"backend.steps": STEPS})
+    assert len(kept) == 8 and kept.attrs["config_keys"] == ["backend.router_noise"]
+    assert kept.attrs["where"] == {"backend.steps": STEPS}
+    one = load_runs(sweep_dir, where={"backend.steps": STEPS, "backend.router_noise": 0.07, "policy": "random"})
+    assert len(one) == 2 and one.attrs["config_keys"] == []
+    steps = load_runs(sweep_dir, per_step=True, where={"backend.steps": STEPS})
+    assert "backend.router_noise" in steps.columns and len(steps) == 8 * STEPS
+    with pytest.raises(ValueError, match="did you mean backend.steps"):
+        load_runs(sweep_dir, where={"backend.stepz": 5})
+    with pytest.raises(ValueError, match="no cell matches; backend.steps takes the values 20, 5 here"):
+        load_runs(sweep_dir, where={"backend.steps": 7})
+
+
+def test_cli_where_and_by_on_a_varied_sweep(tmp_path, capsys):
+    sweep_dir = _varied_sweep(tmp_path)
+    assert main([str(sweep_dir), "--no-plots", "--reps", "50", "--out", str(tmp_path / "a")]) == 0
+    printed = capsys.readouterr().out
+    assert "arms: policy x budget x backend.router_noise x backend.steps" in printed
+    assert main([str(sweep_dir), "--no-plots", "--reps", "50", "--out", str(tmp_path / "b"),
+                 "--where", "backend.steps=20", "--by", "backend.router_noise"]) == 0
+    printed = capsys.readouterr().out
+    assert "arms: policy x budget x backend.router_noise; where backend.steps=20" in printed
+    fx = pd.read_csv(tmp_path / "b" / "effects_final_reward.csv")
+    assert sorted(fx["backend.router_noise"]) == [0.0, 0.07]
+    # Leaving a varied key out of --by is an error that names it, in one line.
+    assert main([str(sweep_dir), "--no-plots", "--out", str(tmp_path / "c"), "--by", "backend.steps"]) == 1
+    error = capsys.readouterr().err
+    assert "they differ in backend.router_noise" in error and len(error.strip().splitlines()) == 1
+
+
+def test_mixed_schema_versions_warn_and_are_compared_only_within_a_version(tmp_path):
+    sweep_dir = tmp_path / "mixed"
+    for seed in (0, 1):
+        write_cell(sweep_dir, "none", 0.0, seed, schema="1.0")
+        write_cell(sweep_dir, "none", 0.0, seed, schema="1.1")
+        write_cell(sweep_dir, "random", 0.5, seed, schema="1.1")
+    with pytest.warns(MixedSchemaWarning, match=r"1.0 \(2 cells\), 1.1 \(4 cells\).*schema_version=1.1"):
+        df = load_runs(sweep_dir)
+    from ablate.analysis.tables import arm_keys, effects
+
+    assert arm_keys(df) == ["schema_version"]
+    fx = effects(df, reps=50)
+    assert list(fx["schema_version"]) == ["1.1"] and fx["n_seeds"].tolist() == [2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(load_runs(sweep_dir, where={"schema_version": "1.1"})) == 4
+
+
+def test_cli_errors_are_one_line_from_a_real_process(tmp_path):
+    for argv, expected in (
+        (["nosuch", "--store", str(tmp_path)], "ablate-analyze: nosuch: no such sweep directory"),
+        ([str(tmp_path), "--where", "x"], "where 'x': expected KEY=VALUE"),
+    ):
+        result = subprocess.run([sys.executable, "-m", "ablate.analysis", *argv], capture_output=True, text=True,
+                                cwd=tmp_path)
+        assert result.returncode != 0 and "Traceback" not in result.stderr
+        assert expected in result.stderr and len(result.stderr.strip().splitlines()) <= 2, result.stderr
+
+
+BLOCK = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Block())
+from ablate.analysis.cli import main
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("blocked", [("matplotlib",), ("scipy",), ("matplotlib", "scipy", "wandb_workspaces")])
+def test_base_install_without_the_analysis_extra(sweep_dir, tmp_path, blocked):
+    """matplotlib missing: tables without plots, saying so; scipy missing: a one-line error naming the extra."""
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-c", BLOCK.format(blocked=set(blocked)), str(sweep_dir),
+                             "--out", str(out), "--reps", "50"], capture_output=True, text=True)
+    assert "Traceback" not in result.stderr
+    if "scipy" in blocked:
+        assert result.returncode == 1
+        assert result.stderr.strip().endswith("needs scipy, which is not installed: pip install 'ablate[analysis]'")
+        assert len(result.stderr.strip().splitlines()) == 1
+    else:
+        assert result.returncode == 0, result.stderr
+        assert "plots skipped: Plots needs matplotlib, which is not installed: pip install 'ablate[analysis]'" in result.stdout
+        assert (out / "table_final_reward.md").exists() and not list(out.glob("*.png"))

@@ -1,4 +1,4 @@
-"""Summary tables, planted effects, interval coverage, flags and exports."""
+"""Summary tables and effects on planted frames: recovery, multiplicity, few seeds, arms, exports."""
 
 import math
 
@@ -7,23 +7,24 @@ import pandas as pd
 import pytest
 
 from ablate.analysis.export import export_table, to_markdown
-from ablate.analysis.flags import flag_policies
-from ablate.analysis.tables import effects, summarize
+from ablate.analysis.stats import adjust_pvalues, min_achievable_pvalue
+from ablate.analysis.tables import arm_keys, effects, summarize
 
 BUDGETS = (0.1, 0.25, 0.5)
+POLICIES = ("random", "uniform", "fisher", "mismatch")
 
 
-def planted_frame(rng, *, n_seeds=10, budget_slope=2.0, selection=0.3, replay=1.0, noise=0.1, seed_scale=1.0):
+def planted_frame(rng, *, n_seeds=10, budget_slope=2.0, selection=0.3, replay=1.0, noise=0.1, seed_scale=1.0,
+                  budgets=BUDGETS, policies=("random", "uniform", "fisher")):
     """One row per cell: Y = seed offset (shared by every policy) + planted mean + noise.
 
-    none = 0, full = ``replay``, random(b) = uniform(b) = ``budget_slope * b``,
-    fisher(b) = random(b) + ``selection``.
+    none = 0, full = ``replay``, every budgeted policy at b = ``budget_slope * b``, and fisher
+    ``selection`` above that.
     """
     offsets = rng.normal(scale=seed_scale, size=n_seeds)
     cells = [("none", 0.0, 0.0), ("full", 1.0, replay)]
-    for b in BUDGETS:
-        cells += [("random", b, budget_slope * b), ("uniform", b, budget_slope * b),
-                  ("fisher", b, budget_slope * b + selection)]
+    for b in budgets:
+        cells += [(p, b, budget_slope * b + (selection if p == "fisher" else 0.0)) for p in policies]
     rows = [
         {"policy": p, "budget": b, "seed": s, "final_reward": offsets[s] + mu + rng.normal(scale=noise)}
         for p, b, mu in cells
@@ -32,20 +33,28 @@ def planted_frame(rng, *, n_seeds=10, budget_slope=2.0, selection=0.3, replay=1.
     return pd.DataFrame(rows)
 
 
+def _rows(table):
+    return {(r.effect, r.policy, r.baseline, None if math.isnan(r.budget) else r.budget, r.pooled): r
+            for r in table.itertuples()}
+
+
 def test_summarize_known_numbers():
     df = pd.DataFrame({
-        "policy": ["none"] * 3 + ["fisher"] * 4,
-        "budget": [0.0] * 3 + [0.5] * 4,
-        "seed": [0, 1, 2, 0, 1, 2, 3],
-        "final_reward": [1.0, 2.0, 3.0, 1.0, 2.0, 2.0, 1.0],
+        "policy": ["none"] * 3 + ["fisher"] * 6,
+        "budget": [0.0] * 3 + [0.5] * 6,
+        "seed": [0, 1, 2, 0, 1, 2, 3, 4, 5],
+        "final_reward": [1.0, 2.0, 3.0, 1.0, 2.0, 2.0, 1.0, 1.0, 2.0],
     })
     table = summarize(df, reps=500, seed=0)
     assert list(table.index) == [("none", 0.0), ("fisher", 0.5)]
     none, fisher = table.loc[("none", 0.0)], table.loc[("fisher", 0.5)]
     assert (none["mean"], none["std"], none["n_seeds"]) == (2.0, 1.0, 3)
-    assert (fisher["mean"], fisher["iqm"], fisher["n_seeds"]) == (1.5, 1.5, 4)
-    assert fisher["std"] == pytest.approx(np.std([1, 2, 2, 1], ddof=1))
-    assert none["ci_low"] <= 2.0 <= none["ci_high"]
+    assert (fisher["mean"], fisher["iqm"], fisher["n_seeds"]) == (1.5, 1.5, 6)
+    assert fisher["std"] == pytest.approx(np.std([1, 2, 2, 1, 1, 2], ddof=1))
+    # 3 seeds: no interval, and the note says why; 6 seeds: an interval.
+    assert math.isnan(none["ci_low"]) and none["note"] == "3 seeds < 6: no interval, too few for a claim"
+    assert fisher["ci_low"] < 1.5 < fisher["ci_high"] and fisher["note"] == ""
+    assert summarize(df, reps=500, min_seeds=3).loc[("none", 0.0), "ci_low"] <= 2.0
     pd.testing.assert_frame_equal(table, summarize(df, reps=500, seed=0))
 
 
@@ -53,27 +62,68 @@ def test_summarize_drops_nan_and_rejects_duplicate_cells():
     df = pd.DataFrame({"policy": ["none"] * 3, "budget": [0.0] * 3, "seed": [0, 1, 2],
                        "final_reward": [1.0, np.nan, 3.0]})
     assert summarize(df, reps=100).loc[("none", 0.0), "n_seeds"] == 2
-    with pytest.raises(ValueError, match="share \\(policy, budget, seed\\)"):
+    with pytest.raises(ValueError, match="rows share an arm and seed"):
         summarize(pd.concat([df, df]), reps=100)
 
 
-def test_effects_recover_planted_budget_and_selection_effects():
+def test_effects_recover_planted_budget_and_selection_effects_after_holm():
     # Ten intervals are checked at once, so use a wide level: each misses its truth 0.1% of the time.
     df = planted_frame(np.random.default_rng(0), n_seeds=30)
-    table = effects(df, level=0.999, reps=10_000, seed=0)
-    rows = {(r.effect, r.policy, r.baseline, None if math.isnan(r.budget) else r.budget): r
-            for r in table.itertuples()}
-    assert rows[("replay", "full", "none", None)].ci_low < 1.0 < rows[("replay", "full", "none", None)].ci_high
+    table = effects(df, level=0.999, reps=10_000, seed=0, pooled=False)
+    rows = _rows(table)
+    replay = rows[("replay", "full", "none", None, False)]
+    assert replay.ci_low < 1.0 < replay.ci_high
     for b in BUDGETS:
-        budget = rows[("budget", "random", "none", b)]
+        budget = rows[("budget", "random", "none", b, False)]
         assert budget.ci_low < 2.0 * b < budget.ci_high
         for baseline in ("random", "uniform"):
-            selection = rows[("selection", "fisher", baseline, b)]
-            assert selection.ci_low < 0.3 < selection.ci_high
-            assert selection.ci_low > 0.0
-            assert selection.p_value < 1e-4  # 30 seeds: Monte Carlo sign-flip test
+            selection = rows[("selection", "fisher", baseline, b, False)]
+            assert 0.0 < selection.ci_low < 0.3 < selection.ci_high
+            assert selection.p_value < 1e-4 and selection.p_adj < 1e-3  # 30 seeds: Monte Carlo sign-flip test
+            assert selection.prob_improvement > 0.5
             assert selection.n_seeds == 30 and selection.note == ""
     assert len(table) == 1 + 3 + 6
+    assert table.attrs["families"] == {"per-budget": 10, "pooled": 0}
+    assert (table["p_adj"] >= table["p_value"]).all()
+
+
+def test_holm_keeps_the_family_wise_false_positive_rate_at_its_level():
+    """Many null comparisons (every policy the same at every budget): after Holm, a sweep makes
+    even one false claim at most alpha of the time; without adjustment, most sweeps make one."""
+    rng = np.random.default_rng(42)
+    sweeps, alpha, n_seeds, family = 250, 0.05, 12, 1 + 3 + 6 + 6 + 3
+    # Enough seeds that Holm can reject at all in a family this size (else the test is vacuous).
+    assert family * min_achievable_pvalue(n_seeds) < alpha / 5
+    any_raw = any_holm = any_bh = 0
+    for i in range(sweeps):
+        df = planted_frame(rng, n_seeds=n_seeds, budget_slope=0.0, selection=0.0, replay=0.0, policies=POLICIES)
+        # min_seeds above the seed count: no bootstrap, only the tests are needed here.
+        table = effects(df, seed=i, others_vs_random=True, comparisons=[("mismatch", "fisher")],
+                        min_seeds=n_seeds + 1, pooled=False, matched=False)
+        assert table.attrs["families"]["per-budget"] == family
+        any_raw += bool((table["p_value"] <= alpha).any())
+        any_holm += bool((table["p_adj"] <= alpha).any())
+        any_bh += bool((adjust_pvalues(table["p_value"].to_numpy(), "bh") <= alpha).any())
+    print(f"any false claim: raw {any_raw / sweeps:.3f}, Holm {any_holm / sweeps:.3f}, BH {any_bh / sweeps:.3f}")
+    # Binomial noise of a 5% rate over 250 sweeps has a standard deviation of 1.4%.
+    assert any_holm / sweeps <= alpha + 0.03
+    assert any_bh / sweeps <= alpha + 0.03  # under the global null the FDR is the FWER
+    assert any_raw / sweeps > 0.4
+
+
+def test_pooled_test_makes_one_claim_across_budgets():
+    # A small selection effect that no single budget's test can show after Holm with 8 seeds.
+    df = planted_frame(np.random.default_rng(5), n_seeds=8, selection=0.05, noise=0.05,
+                       budgets=(0.05, 0.1, 0.25, 0.5, 0.75))
+    table = effects(df, reps=2000)
+    rows = _rows(table)
+    pooled = rows[("selection", "fisher", "random", None, True)]
+    assert "pooled over budgets 0.05, 0.1, 0.25, 0.5, 0.75" in pooled.note
+    assert pooled.n_seeds == 8
+    assert pooled.p_value == 2 / 2**8 and pooled.p_adj <= 0.05  # every seed's mean difference is positive
+    assert table.attrs["families"]["pooled"] == 3  # budget, and fisher against random and uniform
+    per_budget = table[(table.effect == "selection") & ~table.pooled]
+    assert (per_budget["p_adj"] > 0.05).all()
 
 
 def test_pairing_by_seed_matters():
@@ -82,19 +132,21 @@ def test_pairing_by_seed_matters():
     assert row.ci_high - row.ci_low < 0.5  # an unpaired interval would be about 5 wide
 
 
-def test_unpaired_seeds_are_dropped_and_few_seeds_are_explained():
+def test_few_seeds_give_no_interval_and_say_so():
     df = planted_frame(np.random.default_rng(2), n_seeds=5)
     df = df[~((df["policy"] == "fisher") & (df["seed"] == 4))]
     row = effects(df, reps=200).query("effect == 'selection' and baseline == 'random'").iloc[0]
-    assert row.n_seeds == 4
-    assert "only 4 paired seeds: an exact sign-flip test cannot reach p<0.05 (needs >= 6)" in row.note
+    assert row.n_seeds == 4 and math.isnan(row.ci_low) and math.isnan(row.ci_high)
+    assert "4 paired seeds < 6: no interval, too few for a claim" in row.note
     assert "1 unpaired seed value(s) dropped" in row.note
     assert row.p_value >= 2 / 2**4
+    two = effects(planted_frame(np.random.default_rng(2), n_seeds=2), reps=200)
+    assert two["ci_low"].isna().all() and not two["p_value"].isna().any()
 
 
 def test_custom_comparisons_and_others_vs_random():
     df = planted_frame(np.random.default_rng(3), n_seeds=6)
-    table = effects(df, reps=200, comparisons=[("fisher", "full")], others_vs_random=True)
+    table = effects(df, reps=200, comparisons=[("fisher", "full")], others_vs_random=True, pooled=False)
     assert set(table.loc[table.policy == "uniform", "baseline"]) == {"random"}
     custom = table[(table.policy == "fisher") & (table.baseline == "full")]
     assert list(custom.effect.unique()) == ["budget"] and len(custom) == 3
@@ -104,28 +156,42 @@ def test_interval_covers_zero_at_close_to_nominal_rate_without_selection_effect(
     rng = np.random.default_rng(123)
     covered = []
     for i in range(200):
-        table = effects(planted_frame(rng, selection=0.0), reps=200, seed=i)
+        table = effects(planted_frame(rng, selection=0.0), reps=200, seed=i, pooled=False)
         rows = table[(table.effect == "selection") & (table.baseline == "random")]
         covered += list((rows.ci_low <= 0.0) & (0.0 <= rows.ci_high))
     assert 0.85 <= np.mean(covered) <= 0.99
 
 
-def test_flags_fire_on_their_thresholds():
-    base = {"reward_late_gain": 0.1, "override_rate_mean": 0.02,
-            "residual_mismatch_mean": 0.01, "extreme_token_frac_mean": 0.001}
-    rows = []
-    for seed in range(4):
-        rows.append({"policy": "fisher", "budget": 0.5, "seed": seed, **base,
-                     "override_rate_mean": 0.4, "reward_late_gain": -0.01})
-        rows.append({"policy": "random", "budget": 0.1, "seed": seed, **base,
-                     "residual_mismatch_mean": 0.09, "extreme_token_frac_mean": 0.05 if seed < 3 else 0.0})
-        rows.append({"policy": "none", "budget": 0.0, "seed": seed, **base, "override_rate_mean": np.nan})
-    flags = flag_policies(pd.DataFrame(rows))
-    assert flags.loc[("fisher", 0.5), "too_restrictive"] and not flags.loc[("fisher", 0.5), "too_weak"]
-    assert flags.loc[("random", 0.1), "too_weak"] and flags.loc[("random", 0.1), "weak_share"] == 0.75
-    assert not flags.loc[("none", 0.0), ["too_restrictive", "too_weak"]].any()
-    assert "override rate >= 0.1" in flags.loc[("fisher", 0.5), "reason"]
-    assert not flag_policies(pd.DataFrame(rows), restrictive_override=0.5).loc[("fisher", 0.5), "too_restrictive"]
+def _with_noise_key(df, rng):
+    """The same grid at two router noise levels (a varied config key), the effect only at 0.07."""
+    low = df.assign(**{"backend.router_noise": 0.0})
+    high = df.assign(**{"backend.router_noise": 0.07})
+    high["final_reward"] += np.where(high["policy"] == "fisher", 0.5, 0.0) + rng.normal(scale=0.01, size=len(high))
+    both = pd.concat([low, high], ignore_index=True)
+    both.attrs["config_keys"] = ["backend.router_noise"]
+    return both
+
+
+def test_arms_group_by_every_varied_config_key():
+    rng = np.random.default_rng(8)
+    df = _with_noise_key(planted_frame(rng, n_seeds=6, selection=0.0, noise=0.01), rng)
+    assert arm_keys(df) == ["backend.router_noise"]
+    table = summarize(df, reps=200)
+    assert table.index.names == ["backend.router_noise", "policy", "budget"]
+    assert len(table) == 2 * (2 + 3 * 3) and (table["n_seeds"] == 6).all()
+    fx = effects(df, reps=200, pooled=False)
+    selection = fx[(fx.effect == "selection") & (fx.baseline == "random")].set_index(["backend.router_noise", "budget"])
+    assert (selection.loc[0.0, "mean"].abs() < 0.05).all()
+    assert (selection.loc[0.07, "mean"] > 0.45).all()
+    assert list(fx.columns[:2]) == ["backend.router_noise", "effect"]
+    # Without the key the cells clash, and the error says which key tells them apart.
+    with pytest.raises(ValueError, match="they differ in backend.router_noise: group by it"):
+        summarize(df, by=[])
+    # A key that does not vary after filtering is no longer part of the arm.
+    only = df[df["backend.router_noise"] == 0.07]
+    assert arm_keys(only) == [] and summarize(only, reps=100).index.names == ["policy", "budget"]
+    with pytest.raises(KeyError, match="no column"):
+        summarize(df, by=["backend.steps"])
 
 
 def test_export_table_all_formats(tmp_path):
@@ -139,3 +205,4 @@ def test_export_table_all_formats(tmp_path):
     assert markdown[0].startswith("| policy | budget | mean") and len(markdown) == 2 + 11
     assert "\\toprule" in paths[3].read_text() and "n\\_seeds" in paths[3].read_text()
     assert "| a\\|b |" in to_markdown(pd.DataFrame({"x": ["a|b"]}))
+    assert "| 0 |" in to_markdown(pd.DataFrame({"x": [0.0]}))

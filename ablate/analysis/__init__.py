@@ -1,8 +1,9 @@
 """Analysis of a sweep: outcomes per cell, summary tables, effects with intervals, plots.
 
-``load_runs`` -> ``summarize`` / ``effects`` is the main path (see ``ablate-analyze`` for the
-command-line version). Submodules are imported on first use, so ``import ablate.analysis``
-stays light and plotting (matplotlib) or W&B code loads only when asked for.
+``load_runs`` -> ``summarize`` / ``effects`` / ``flag_policies`` is the main path (see
+``ablate-analyze`` for the command-line version). Submodules are imported on first use, so
+``import ablate.analysis`` stays light: scipy, matplotlib and W&B code load only when asked for,
+and without the ``analysis`` extra they fail with a message naming it (``ablate.analysis.extras``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ _EXPORTS = {
     "load_runs": "ablate.analysis.load",
     "summarize": "ablate.analysis.tables",
     "effects": "ablate.analysis.tables",
+    "arm_keys": "ablate.analysis.tables",
     "cell_outcomes": "ablate.analysis.outcomes",
     "OUTCOME_NAMES": "ablate.analysis.outcomes",
     "flag_policies": "ablate.analysis.flags",

@@ -1,13 +1,16 @@
-"""``ablate-analyze``: tables, effects and plots for one sweep of the run store.
+"""``ablate-analyze``: tables, effects, flags and plots for one sweep of the run store.
 
     ablate-analyze runs/my-sweep                      # a sweep directory
     ablate-analyze my-sweep --store runs --outcome final_reward --outcome kl_k3_mean
-    python -m ablate.analysis runs/my-sweep --level 0.9 --reps 5000 --dashboard
+    ablate-analyze runs/noise_test --where backend.steps=5 --by backend.router_noise
+    python -m ablate.analysis runs/my-sweep --level 0.9 --reps 5000 --ci BCa --adjust bh --dashboard
 
 Writes into ``--out`` (default ``<sweep_dir>/analysis``), per outcome: ``table_<outcome>``
-(csv, parquet, md, tex), ``effects_<outcome>`` (csv, md), ``budget_response_<outcome>`` and
-``selection_effects_<outcome>`` (png, svg); once: ``cells.csv`` (one row per cell), ``flags``
-(csv, md) and ``steps`` (png, svg). Prints the tables as markdown and the excluded cells.
+(csv, parquet, md, tex), ``effects_<outcome>`` (csv, md), ``budget_response_<outcome>``,
+``selection_effects_<outcome>`` and ``effective_budget_<outcome>`` (png, svg); once:
+``cells.csv`` (one row per cell), ``flags`` (csv, md) and ``steps`` (png, svg). Prints the
+tables as markdown and the excluded cells. Errors (no such sweep, a corrupt cell, a bad
+``--where``, a missing package) are one line on stderr and exit status 1 (2 for usage).
 """
 
 from __future__ import annotations
@@ -16,19 +19,24 @@ import argparse
 import sys
 import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
+
+import pandas as pd
 
 from ablate.analysis.export import export_table, to_markdown
+from ablate.analysis.extras import MissingExtraError
 from ablate.analysis.flags import flag_policies
-from ablate.analysis.load import ExcludedCellsWarning, load_runs
+from ablate.analysis.load import CorruptCellError, ExcludedCellsWarning, load_runs, parse_where, sweep_dir
 from ablate.analysis.outcomes import OUTCOME_NAMES
-from ablate.analysis.tables import effects, summarize
+from ablate.analysis.stats import ADJUSTMENTS, CI_METHODS, min_achievable_pvalue
+from ablate.analysis.tables import arm_keys, effects, summarize
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ablate-analyze",
-        description="Summary tables, effects (paired by seed) and plots for one sweep of the run store.",
+        description="Summary tables, effects (paired by seed, adjusted for multiplicity), flags and plots "
+                    "for one sweep of the run store.",
     )
     parser.add_argument("sweep", help="a sweep directory, or a sweep name inside --store")
     parser.add_argument("--store", default="runs", help="run store root used when SWEEP is a name (default: runs)")
@@ -37,14 +45,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--outcome", action="append", choices=OUTCOME_NAMES, metavar="NAME",
         help=f"outcome to analyse, repeatable (default: final_reward); one of {', '.join(OUTCOME_NAMES)}",
     )
+    parser.add_argument("--where", action="append", default=[], metavar="KEY=VALUE",
+                        help="keep only cells whose config key (or column such as policy_name) has this value, "
+                             "repeatable; e.g. --where backend.steps=5")
+    parser.add_argument("--by", action="append", metavar="KEY",
+                        help="group arms by these keys (besides policy and budget) instead of every config key "
+                             "that varies in the sweep, repeatable")
     parser.add_argument("--level", type=float, default=0.95, help="confidence level of intervals (default: 0.95)")
     parser.add_argument("--reps", type=int, default=2000, help="bootstrap resamples (default: 2000)")
+    parser.add_argument("--ci", choices=CI_METHODS, default="percentile",
+                        help="bootstrap interval: percentile (default) or BCa (bias-corrected and accelerated)")
+    parser.add_argument("--min-seeds", type=int, default=None,
+                        help="fewest (paired) seeds for an interval (default: the fewest for which an exact "
+                             "sign-flip test can reach p < 1 - level: 6 at 0.95)")
+    parser.add_argument("--adjust", choices=ADJUSTMENTS, default="holm",
+                        help="multiple-comparison adjustment within each outcome's family: holm (default, "
+                             "family-wise error), bh (false discovery rate) or none")
     parser.add_argument("--seed", type=int, default=0, help="seed of the bootstrap generators (default: 0)")
     parser.add_argument("--no-plots", action="store_true", help="write tables and effects only")
     parser.add_argument("--skip-corrupt", action="store_true", help="exclude (and list) unreadable cells instead of failing")
     parser.add_argument("--dashboard", action="store_true",
-                        help="also write the W&B workspace spec, log the summary table to W&B "
-                             "(offline unless --wandb-mode online) and save the workspace when logged in")
+                        help="also write the W&B workspace spec, log the summary table to the sweep's W&B summary "
+                             "run (offline unless --wandb-mode online) and save the workspace when logged in")
     parser.add_argument("--entity", default=None, help="W&B entity for --dashboard")
     parser.add_argument("--project", default="ablate", help="W&B project for --dashboard (default: ablate)")
     parser.add_argument("--wandb-mode", default="offline", choices=("offline", "online"), help="mode of the summary run")
@@ -53,62 +75,140 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    sweep_dir = Path(args.sweep) if Path(args.sweep).is_dir() else Path(args.store) / args.sweep
-    out = args.out or sweep_dir / "analysis"
+    try:
+        return _analyse(args, parse_where(args.where))
+    except (FileNotFoundError, CorruptCellError, MissingExtraError, ValueError, KeyError) as error:
+        message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+        if isinstance(error, CorruptCellError):
+            message += " (--skip-corrupt analyses the other cells)"
+        print(f"ablate-analyze: {message}", file=sys.stderr)
+        return 1
+
+
+def _sweep_dir(args: argparse.Namespace) -> Path:
+    given = Path(args.sweep)
+    if given.is_dir():
+        return sweep_dir(given)
+    store = Path(args.store)
+    if (store / args.sweep).is_dir():
+        return sweep_dir(store, args.sweep)
+    known = sorted(p.parent.parent.name for p in store.glob("*/*/cell.json")) if store.is_dir() else []
+    there = f"; sweeps there: {', '.join(sorted(set(known)))}" if known else ""
+    raise FileNotFoundError(f"{args.sweep}: no such sweep directory, and no sweep {args.sweep!r} in the store {store}{there}")
+
+
+def _analyse(args: argparse.Namespace, where: dict[str, Any]) -> int:
+    directory = _sweep_dir(args)
+    out = args.out or directory / "analysis"
     outcomes = args.outcome or ["final_reward"]
     on_corrupt = "exclude" if args.skip_corrupt else "error"
-
     with warnings.catch_warnings():
         # load_runs also logs the exclusion; the CLI prints it once, below, in its own words.
         warnings.simplefilter("ignore", ExcludedCellsWarning)
-        cells = load_runs(sweep_dir, on_corrupt=on_corrupt)
-        steps = load_runs(sweep_dir, per_step=True, on_corrupt=on_corrupt)
+        cells = load_runs(directory, on_corrupt=on_corrupt, where=where)
+        steps = None if args.no_plots else load_runs(directory, per_step=True, on_corrupt=on_corrupt, where=where)
     excluded = cells.attrs["excluded"]
-    print(f"sweep {sweep_dir}: {len(cells)} complete cells; excluded: "
+    print(f"sweep {directory}: {len(cells)} complete cells; excluded: "
           + ", ".join(f"{kind}={n}" for kind, n in excluded.items()))
     for problem in cells.attrs["corrupt_files"]:
         print(f"  corrupt: {problem}")
     if cells.empty:
-        print("no complete cells to analyse", file=sys.stderr)
+        print("ablate-analyze: no complete cells to analyse", file=sys.stderr)
         return 1
+    keys = arm_keys(cells, args.by)
+    settings = dict(by=keys, level=args.level, reps=args.reps, seed=args.seed, method=args.ci, min_seeds=args.min_seeds)
+    _print_design(cells, keys, where, args)
 
     out.mkdir(parents=True, exist_ok=True)
     cells.to_csv(out / "cells.csv", index=False)
+    plots = None if args.no_plots else _plots_module()
     summaries = {}
     for outcome in outcomes:
-        table = summarize(cells, outcome, level=args.level, reps=args.reps, seed=args.seed)
-        effect_table = effects(cells, outcome, level=args.level, reps=args.reps, seed=args.seed, others_vs_random=True)
+        table = summarize(cells, outcome, **settings)
+        effect_table = effects(cells, outcome, others_vs_random=True, adjust=args.adjust, **settings)
         export_table(table, out / f"table_{outcome}")
         export_table(effect_table, out / f"effects_{outcome}", formats=("csv", "md"))
-        if not args.no_plots:
-            from ablate.analysis import plots
-
+        if plots is not None:
             plots.plot_budget_response(table, out / f"budget_response_{outcome}")
             plots.plot_selection_effects(effect_table, out / f"selection_effects_{outcome}")
+            if "effective_budget_mean" in cells.columns:
+                plots.plot_effective_budget(cells, out / f"effective_budget_{outcome}", outcome=outcome, by=keys)
         summaries[outcome] = table
-        print(f"\n## {outcome}: mean over seeds, {args.level:.0%} bootstrap CI\n")
+        print(f"\n## {outcome}: mean over seeds, {args.level:.0%} {args.ci} bootstrap CI "
+              f"(none below {table.attrs['min_seeds']} seeds)\n")
         print(to_markdown(table))
-        print(f"\n## effects on {outcome} (paired by seed; p: two-sided sign-flip test)\n")
+        print(f"\n## effects on {outcome} (paired by seed)\n")
+        print(_effects_legend(effect_table))
+        print()
         print(to_markdown(effect_table))
-    flags = flag_policies(cells)
+    flags = flag_policies(cells, **settings)
     export_table(flags, out / "flags", formats=("csv", "md"))
-    flagged = flags[flags["too_restrictive"] | flags["too_weak"]] if not flags.empty else flags
-    print("\n## flags\n")
-    print(to_markdown(flagged[["reason"]]) if not flagged.empty else "no policy flagged as too restrictive or too weak")
-    if not args.no_plots:
-        from ablate.analysis import plots
-
-        plots.plot_step_curves(steps, out / "steps")
+    print(f"\n## flags (against none and full of the same sweep, at level {args.level:g})\n")
+    print(_flags_text(flags))
+    if plots is not None and steps is not None:
+        plots.plot_step_curves(steps, out / "steps", by=keys)
     if args.dashboard:
-        _dashboard(args, sweep_dir.name, summaries[outcomes[0]], out)
-    print(f"\nwrote tables, effects{'' if args.no_plots else ' and plots'} to {out}")
+        _dashboard(args, directory.name, summaries[outcomes[0]], keys, out)
+    print(f"\nwrote tables, effects{'' if plots is None else ' and plots'} to {out}")
     return 0
 
 
-def _dashboard(args: argparse.Namespace, sweep: str, table, out: Path) -> None:
+def _plots_module() -> Any:
+    """The plotting module, or None (and a line saying why) on an install without matplotlib."""
+    try:
+        from ablate.analysis import plots
+    except MissingExtraError as error:
+        print(f"plots skipped: {error}")
+        return None
+    return plots
+
+
+def _print_design(cells: pd.DataFrame, keys: list[str], where: dict[str, Any], args: argparse.Namespace) -> None:
+    arms = " x ".join(["policy", "budget", *keys])
+    print(f"arms: {arms}" + (f"; where {', '.join(f'{k}={v}' for k, v in where.items())}" if where else ""))
+    per_arm = cells.groupby([*keys, "policy", "budget"], dropna=False)["seed"].nunique()
+    if per_arm.empty:
+        return
+    low, high = int(per_arm.min()), int(per_arm.max())
+    print(f"seeds per arm: {low if low == high else f'{low} to {high}'}")
+
+
+def _effects_legend(table: pd.DataFrame) -> str:
+    """What the p-value columns mean, and the smallest adjusted p these seeds allow."""
+    attrs = table.attrs
+    adjust = {"holm": "Holm (family-wise error)", "bh": "Benjamini-Hochberg (false discovery rate)",
+              "none": "not adjusted"}[attrs["adjust"]]
+    families = ", ".join(f"{n} {name} tests" for name, n in attrs["families"].items() if n)
+    lines = [
+        f"- p_value: two-sided sign-flip test; p_adj: {adjust} within each family ({families or 'no tests'})",
+        f"- prob_improvement: probability that a run of the policy beats a run of the baseline ({attrs['improvement']})",
+        "- matched_selection: the policy against random's budget-response curve at the policy's effective budget",
+    ]
+    tested = table["n_seeds"][table["p_value"].notna()]
+    if not tested.empty and attrs["adjust"] == "holm":
+        n = int(tested.max())
+        m = max(attrs["families"].values())
+        smallest = min(1.0, m * min_achievable_pvalue(n))
+        lines.append(f"- with {n} seeds the smallest p is {min_achievable_pvalue(n):.3g}; after Holm in a family "
+                     f"of {m} tests the smallest p_adj is {smallest:.3g}")
+    return "\n".join(lines)
+
+
+def _flags_text(flags: pd.DataFrame) -> str:
+    if flags.empty:
+        return "no arms to judge"
+    fired = flags[flags["too_restrictive"] | flags["too_weak"]]
+    lines = [to_markdown(fired[["reason"]])] if not fired.empty else ["no arm flagged as too restrictive or too weak"]
+    unjudged = flags["note"][flags["note"] != ""]
+    if not unjudged.empty:
+        lines.append(f"{len(unjudged)} of {len(flags)} arms not fully judged, e.g. {unjudged.iloc[0]}")
+    return "\n".join(lines)
+
+
+def _dashboard(args: argparse.Namespace, sweep: str, table: pd.DataFrame, keys: list[str], out: Path) -> None:
     from ablate.analysis.dashboard import build_workspace, log_summary_table, save_workspace, write_workspace_spec
 
-    workspace = build_workspace(args.entity or "", args.project, sweep)
+    workspace = build_workspace(args.entity or "", args.project, sweep, arm_keys=keys)
     print(f"W&B workspace spec: {write_workspace_spec(workspace, out / 'workspace.json')}")
     run_dir = log_summary_table(table, project=args.project, entity=args.entity, group=sweep,
                                 mode=args.wandb_mode, dir=out)

@@ -1,19 +1,30 @@
 """A W&B workspace for one sweep, and the summary table logged as a W&B run.
 
 The workspace (``wandb-workspaces``) shows only the sweep's runs (W&B group = sweep), grouped
-by ``config.policy`` then ``config.budget`` (DESIGN.md section 5), in three sections: outcomes,
-routing and mismatch, load and drift. It is built offline; :func:`write_workspace_spec` writes
-the exact view spec that :func:`save_workspace` would upload, so it can be reviewed (and
-tested) without an account. Saving needs a W&B login.
+by the arm as the local analysis defines it (docs/design.md section 5): ``config.policy``,
+``config.variant`` (settings variants such as ``fisher[tau=1.0]`` stay apart), ``config.budget``
+and every other config key that varies in the sweep. Three sections: outcomes, routing and
+mismatch, load and drift. It is built offline; :func:`write_workspace_spec` writes the exact
+view spec that :func:`save_workspace` would upload, so it can be reviewed (and tested) without
+an account. Saving needs a W&B login.
+
+The summary table goes to one W&B run per sweep, whose id is derived from the sweep
+(:func:`summary_run_id`): logging it again replaces the local offline copy and resumes the
+online run, so ``--dashboard`` can be run any number of times and the project holds one
+summary run per sweep.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 import pandas as pd
+
+from ablate.analysis.extras import require
 
 OUTCOME_KEYS: tuple[str, ...] = ("train/reward", "train/loss", "train/entropy", "train/grad_norm", "train/clip_frac")
 ROUTING_KEYS: tuple[str, ...] = (
@@ -26,10 +37,14 @@ LOAD_DRIFT_KEYS: tuple[str, ...] = (
 )
 
 
-def build_workspace(entity: str, project: str, sweep: str) -> Any:
-    """The workspace of ``sweep`` (a ``wandb_workspaces.workspaces.Workspace``)."""
-    import wandb_workspaces.reports.v2 as wr
-    import wandb_workspaces.workspaces as ws
+def build_workspace(entity: str, project: str, sweep: str, arm_keys: Sequence[str] = ()) -> Any:
+    """The workspace of ``sweep`` (a ``wandb_workspaces.workspaces.Workspace``).
+
+    ``arm_keys``: the config keys besides policy, settings variant and budget that vary in the
+    sweep (``df.attrs["config_keys"]`` of ``load_runs``); runs are grouped by all of them.
+    """
+    wr = require("wandb_workspaces.reports.v2", "The W&B workspace")
+    ws = require("wandb_workspaces.workspaces", "The W&B workspace")
 
     def lines(keys: tuple[str, ...]) -> list[Any]:
         return [wr.LinePlot(title=key, x="Step", y=[key]) for key in keys]
@@ -49,10 +64,17 @@ def build_workspace(entity: str, project: str, sweep: str) -> Any:
         ],
         runset_settings=ws.RunsetSettings(
             filters=[ws.Metric("Group") == sweep],
-            groupby=[ws.Config("policy"), ws.Config("budget")],
+            groupby=[_config_key(ws, key) for key in dict.fromkeys(("policy", "variant", "budget", *arm_keys))],
         ),
         settings=ws.WorkspaceSettings(x_axis="Step", max_runs=100),
     )
+
+
+def _config_key(ws: Any, key: str) -> Any:
+    """A config key of the cells' W&B runs. Their config is flattened with dots
+    (``backend.router_noise`` is one top-level key), which W&B stores as ``backend.router_noise.value``;
+    ``Config("backend.router_noise")`` alone would mean a nested ``backend`` dict."""
+    return ws.Config(f"{key}.value" if "." in key else key)
 
 
 def workspace_spec(workspace: Any) -> dict[str, Any]:
@@ -100,13 +122,22 @@ def log_summary_table(
     key: str = "summary",
     dir: str | Path | None = None,
 ) -> str | None:
-    """Log ``table`` as a ``wandb.Table`` under ``key`` in a run of ``job_type="summary"``.
+    """Log ``table`` as a ``wandb.Table`` under ``key`` in the sweep's summary run.
 
-    The run joins the sweep's W&B group (``group`` = the sweep), named ``<group>-summary``.
-    Offline by default: ``wandb sync`` uploads it later. Returns the run's local directory
-    (``None`` when ``mode="disabled"``).
+    The run (``job_type="summary"``, named ``<group>-summary``) joins the sweep's W&B group
+    (``group`` = the sweep) and has the id :func:`summary_run_id` gives the sweep. Offline (the
+    default), an earlier offline copy of it under ``dir`` is replaced, and ``wandb sync``
+    uploads it later into that one run; online, the run is resumed. Returns the run's local
+    directory (``None`` when ``mode="disabled"``).
     """
     import wandb
+
+    run_id = summary_run_id(group)
+    if mode == "offline":
+        wandb_dir = Path(dir if dir is not None else ".") / "wandb"
+        for previous in wandb_dir.glob(f"*-{run_id}"):
+            if previous.is_dir() and not previous.is_symlink():
+                shutil.rmtree(previous)
 
     flat = table.reset_index() if any(name is not None for name in table.index.names) else table
     run = wandb.init(
@@ -115,6 +146,8 @@ def log_summary_table(
         group=group,
         job_type="summary",
         name=f"{group}-summary",
+        id=run_id,
+        resume="allow" if mode == "online" else None,
         mode=mode,
         dir=None if dir is None else str(dir),
         config={"sweep": group, **{k: v for k, v in table.attrs.items() if isinstance(v, (str, int, float))}},
@@ -126,3 +159,8 @@ def log_summary_table(
     finally:
         run.finish()
     return run_dir
+
+
+def summary_run_id(sweep: str) -> str:
+    """The W&B run id of a sweep's summary run: the same for every call, distinct per sweep."""
+    return "summary-" + hashlib.sha256(sweep.encode()).hexdigest()[:16]

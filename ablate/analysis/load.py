@@ -11,52 +11,76 @@ Sources:
 - ``"wandb"``: the W&B API; ``path`` is ``"entity/project"`` and ``sweep=`` the group.
 
 Each cell row holds ``sweep, cell_id, name, backend, policy, policy_name, variant, budget, seed,
-status`` (store cells also ``path``). ``policy`` is the arm: the policy name, plus its non-default
-settings in brackets when it has any (``fisher[tau=1.0]``), so a settings sweep gives one row per
-arm in the tables; ``policy_name`` is the bare name. Then the outcomes of :func:`ablate.analysis.outcomes.cell_outcomes`,
-recomputed from the per-step records with ``outcome_settings`` (so analysis settings can
-change after the sweep), and the last finite value of every logged diagnostics key.
+schema_version, status`` (store cells also ``path``). ``policy`` is the policy arm: the policy
+name, plus its non-default settings in brackets when it has any (``fisher[tau=1.0]``);
+``policy_name`` is the bare name. Then one column per **varied config key**: every key of the
+resolved config (each store cell's ``config.yaml``; for W&B, the run's flattened config) whose
+value differs between the loaded cells, named by its dotted path (``backend.router_noise``).
+Keys that say where or how a cell ran rather than what it computed (``tracking``,
+``store_dir``, ``sweep``, ``objective``, ``hydra``), the grid's own axes (``budget``, ``seed``,
+``trial``) and policy settings the arm name already carries are not arm keys. The varied keys
+are listed in ``df.attrs["config_keys"]``: the tables group by them, so a sweep over
+``backend.router_noise`` (or a rerun with another ``backend.steps``) gives separate arms
+instead of clashing rows. ``where={"backend.steps": 5}`` keeps only the matching cells first
+(any config key or identity column); keys that no longer vary are then no arm keys.
+
+Then the outcomes of :func:`ablate.analysis.outcomes.cell_outcomes`, recomputed from the
+per-step records with ``outcome_settings`` (so analysis settings can change after the sweep),
+and the last finite value of every logged diagnostics key.
+
+Cells of different diagnostics schema versions in one sweep are not comparable key by key: a
+:class:`MixedSchemaWarning` names the versions and their counts, and ``schema_version`` becomes
+an arm key, so cells are compared only within one version (``where={"schema_version": "1.0"}``
+keeps one).
 
 Only complete cells are kept. Failed and unfinished cells are excluded and counted, never
 silently: an :class:`ExcludedCellsWarning` (``warnings.warn``; routed to ``logging`` under
 ``logging.captureWarnings(True)``) names the counts and ``df.attrs["excluded"]`` holds
 ``{"failed": n, "running": m, "corrupt": k}`` ("running" includes cells without a
-``status.json``, i.e. not started). A corrupt cell (unreadable ``cell.json``, ``status.json`` or
-``records.parquet``, or a complete cell without records) raises :class:`CorruptCellError` naming
-the file; with ``on_corrupt="exclude"`` it is excluded instead, counted under ``"corrupt"``, its
-file listed in ``df.attrs["corrupt_files"]`` and named in the warning.
+``status.json``, i.e. not started). A corrupt cell (unreadable ``cell.json``, ``config.yaml``,
+``status.json`` or ``records.parquet``, or a complete cell without records) raises
+:class:`CorruptCellError` naming the file; with ``on_corrupt="exclude"`` it is excluded
+instead, counted under ``"corrupt"``, its file listed in ``df.attrs["corrupt_files"]`` and
+named in the warning.
 """
 
 from __future__ import annotations
 
+import difflib
+import json
 import math
 import warnings
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Iterable, Literal, Mapping
 
 import numpy as np
 import pandas as pd
+import yaml
 
 from ablate.analysis.outcomes import cell_outcomes
 from ablate.store import StoreError, read_json
 
 ID_COLUMNS: tuple[str, ...] = (
-    "sweep", "cell_id", "name", "backend", "policy", "policy_name", "variant", "budget", "seed", "status",
+    "sweep", "cell_id", "name", "backend", "policy", "policy_name", "variant", "budget", "seed",
+    "schema_version", "status",
 )
-
-
-def _with_arm(meta: dict[str, Any]) -> dict[str, Any]:
-    """``policy`` becomes the arm: the policy name plus its non-default settings, if any.
-
-    Cells of one policy with other settings (``fisher[tau=1.0]``, ``random[per_layer=True]``) are
-    different arms, so tables and effects keep them apart; ``policy_name`` keeps the bare name.
-    """
-    variant = meta.get("variant") or ""
-    name = meta.get("policy")
-    return {**meta, "policy_name": name, "variant": variant, "policy": f"{name}[{variant}]" if variant else name}
+#: Config keys (and the sub-trees under them) that never make an arm: where and how a cell ran,
+#: and the grid's own axes, which are columns of their own.
+NOT_ARM_KEYS: tuple[str, ...] = (
+    "tracking", "store_dir", "sweep", "objective", "hydra", "budget", "seed", "trial", "schema_version", "policy.name",
+)
+#: Keys the cell runner adds to the flattened W&B config beside the resolved config's own.
+WANDB_IDENTITY_KEYS: frozenset[str] = frozenset(
+    {"policy", "budget", "seed", "backend", "schema_version", "cell_id", "sweep", "variant", "trial"}
+)
 Source = Literal["store", "wandb-offline", "wandb"]
 #: W&B runs of this job type hold analysis results, not cells (see ``dashboard.log_summary_table``).
 SUMMARY_JOB_TYPE = "summary"
+_MISSING = "<missing>"
+#: libyaml's loader where PyYAML was built with it (about 10x faster on a sweep of many cells).
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 class CorruptCellError(RuntimeError):
@@ -67,6 +91,17 @@ class ExcludedCellsWarning(UserWarning):
     """Some cells of a sweep were left out of the analysis (failed, unfinished or corrupt)."""
 
 
+class MixedSchemaWarning(UserWarning):
+    """The cells of one sweep were logged under different diagnostics schema versions."""
+
+
+@dataclass
+class _LoadedCell:
+    meta: dict[str, Any]
+    config: dict[str, Any]  # the resolved config, flattened with dots
+    records: pd.DataFrame
+
+
 def load_runs(
     path: str | Path,
     sweep: str | None = None,
@@ -75,35 +110,126 @@ def load_runs(
     per_step: bool = False,
     outcome_settings: Mapping[str, Any] | None = None,
     on_corrupt: Literal["error", "exclude"] = "error",
+    where: Mapping[str, Any] | None = None,
 ) -> pd.DataFrame:
     """One row per complete cell (``per_step=True``: per cell and step); see the module doc."""
     if on_corrupt not in ("error", "exclude"):
         raise ValueError(f"on_corrupt={on_corrupt!r}: expected 'error' or 'exclude'")
     settings = dict(outcome_settings or {})
     if source == "store":
-        cells, excluded, corrupt = _read_store(_sweep_dir(Path(path), sweep), on_corrupt)
+        cells, excluded, corrupt = _read_store(sweep_dir(Path(path), sweep), on_corrupt)
     elif source == "wandb-offline":
         cells, excluded, corrupt = _read_wandb_offline(Path(path), sweep, on_corrupt)
     elif source == "wandb":
         cells, excluded, corrupt = _read_wandb_api(str(path), sweep)
     else:
         raise ValueError(f"source={source!r}: expected 'store', 'wandb-offline' or 'wandb'")
-    frame = _steps_frame(cells) if per_step else _cells_frame(cells, settings)
+    cells = _select(cells, dict(where or {}))
+    config_keys = varied_config_keys(cells)
+    frame = _steps_frame(cells, config_keys) if per_step else _cells_frame(cells, config_keys, settings)
     frame.attrs["excluded"] = excluded
     frame.attrs["corrupt_files"] = corrupt
+    frame.attrs["config_keys"] = config_keys
+    frame.attrs["where"] = {key: _plain(value) for key, value in (where or {}).items()}
     _report_excluded(excluded, corrupt, str(path))
+    _report_schema_versions(cells, str(path))
     return frame
 
 
-def _sweep_dir(path: Path, sweep: str | None) -> Path:
-    sweep_dir = path / sweep if sweep else path
-    if not sweep_dir.is_dir():
-        raise FileNotFoundError(f"sweep directory {sweep_dir} does not exist")
-    if not any(sweep_dir.glob("*/cell.json")):
-        sweeps = sorted(p.parent.parent.name for p in sweep_dir.glob("*/*/cell.json"))
-        hint = f"; it looks like a store root holding sweeps {sorted(set(sweeps))}: pass sweep=NAME" if sweeps else ""
-        raise FileNotFoundError(f"{sweep_dir} holds no cells (no */cell.json){hint}")
-    return sweep_dir
+def sweep_dir(path: Path, sweep: str | None = None) -> Path:
+    """The sweep directory at ``path`` (or ``path / sweep``); an error says what is there instead."""
+    directory = path / sweep if sweep else path
+    if not directory.is_dir():
+        raise FileNotFoundError(f"sweep directory {directory} does not exist")
+    if not any(directory.glob("*/cell.json")):
+        sweeps = sorted({p.parent.parent.name for p in directory.glob("*/*/cell.json")})
+        hint = f"; it looks like a store root holding sweeps {sweeps}: pass sweep=NAME" if sweeps else ""
+        raise FileNotFoundError(f"{directory} holds no cells (no */cell.json){hint}")
+    return directory
+
+
+def parse_where(items: Iterable[str]) -> dict[str, Any]:
+    """``["backend.steps=5", "policy_name=fisher"]`` -> ``{"backend.steps": 5, ...}``.
+
+    Values are read as YAML scalars, the way Hydra reads overrides (``5`` an int, ``0.07`` a
+    float, ``true`` a bool, ``null`` None); a value that is not valid YAML stays a string.
+    """
+    where: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"where {item!r}: expected KEY=VALUE, e.g. backend.steps=5")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        where[key.strip()] = value
+    return where
+
+
+def varied_config_keys(cells: list[_LoadedCell]) -> list[str]:
+    """Config keys whose value differs between ``cells`` and that make an arm (module doc)."""
+    keys = sorted({key for cell in cells for key in cell.config if not _not_arm_key(key)})
+    varied = []
+    for key in keys:
+        values = [_hashable(cell.config.get(key, _MISSING)) for cell in cells]
+        if len(set(values)) < 2:
+            continue
+        if key.startswith("policy.") and _fixed_within_policy_arms(cells, key):
+            continue  # the arm name (fisher[tau=1.0]) already tells these cells apart
+        varied.append(key)
+    return varied
+
+
+def _not_arm_key(key: str) -> bool:
+    return any(key == prefix or key.startswith(prefix + ".") for prefix in NOT_ARM_KEYS)
+
+
+def _fixed_within_policy_arms(cells: list[_LoadedCell], key: str) -> bool:
+    values: dict[str, set[Any]] = {}
+    for cell in cells:
+        values.setdefault(cell.meta["policy"], set()).add(_hashable(cell.config.get(key, _MISSING)))
+    return all(len(found) == 1 for found in values.values())
+
+
+def _hashable(value: Any) -> Any:
+    return json.dumps(value, sort_keys=True) if isinstance(value, (list, dict)) else value
+
+
+def _plain(value: Any) -> Any:
+    return value if isinstance(value, (str, int, float, bool)) or value is None else str(value)
+
+
+def _select(cells: list[_LoadedCell], where: dict[str, Any]) -> list[_LoadedCell]:
+    """The cells whose identity column or config key equals each ``where`` value."""
+    for key, wanted in where.items():
+        found = [_lookup(cell, key) for cell in cells]
+        present = [value for value in found if value is not _MISSING]
+        if cells and not present:
+            known = sorted({k for cell in cells for k in cell.config} | set(ID_COLUMNS))
+            close = difflib.get_close_matches(key, known, n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise ValueError(f"where {key}={wanted!r}: no cell has a config key or column {key!r}{hint}")
+        kept = [cell for cell, value in zip(cells, found) if _matches(value, wanted)]
+        if cells and not kept:
+            values = ", ".join(sorted({str(v) for v in present}))
+            raise ValueError(f"where {key}={wanted!r}: no cell matches; {key} takes the values {values} here")
+        cells = kept
+    return cells
+
+
+def _lookup(cell: _LoadedCell, key: str) -> Any:
+    if key in ID_COLUMNS and key in cell.meta:
+        return cell.meta[key]
+    return cell.config.get(key, _MISSING)
+
+
+def _matches(value: Any, wanted: Any) -> bool:
+    if value is _MISSING:
+        return False
+    if value == wanted:
+        return True
+    return str(value) == str(wanted)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -112,6 +238,27 @@ def _read_json(path: Path) -> dict[str, Any]:
         return read_json(path)
     except StoreError as error:
         raise CorruptCellError(str(error)) from error
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    """A cell's resolved config, flattened with dots; {} for a cell written without one."""
+    if not path.is_file():
+        return {}
+    try:
+        tree = yaml.load(path.read_text(), Loader=_YAML_LOADER)
+    except (OSError, yaml.YAMLError) as error:
+        raise CorruptCellError(f"{path}: unreadable config ({error}); expected the YAML written by ablate") from None
+    if not isinstance(tree, dict):
+        raise CorruptCellError(f"{path}: corrupt config: expected a YAML mapping, found {type(tree).__name__}")
+    return flatten_config(tree)
+
+
+def flatten_config(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """Nested config -> ``{"backend.steps": 100, ...}`` (lists stay values)."""
+    if not tree:
+        return {}
+    row = pd.json_normalize(dict(tree), sep=".").iloc[0].to_dict()
+    return {key: value.item() if isinstance(value, np.generic) else value for key, value in row.items()}
 
 
 def _read_records(path: Path) -> pd.DataFrame:
@@ -123,13 +270,22 @@ def _read_records(path: Path) -> pd.DataFrame:
         raise CorruptCellError(f"{path}: unreadable parquet ({type(error).__name__}: {error})") from error
 
 
-def _read_store(
-    sweep_dir: Path, on_corrupt: str
-) -> tuple[list[tuple[dict[str, Any], pd.DataFrame]], dict[str, int], list[str]]:
-    cells: list[tuple[dict[str, Any], pd.DataFrame]] = []
+def _with_arm(meta: dict[str, Any]) -> dict[str, Any]:
+    """``policy`` becomes the arm: the policy name plus its non-default settings, if any.
+
+    Cells of one policy with other settings (``fisher[tau=1.0]``, ``random[per_layer=True]``) are
+    different arms, so tables and effects keep them apart; ``policy_name`` keeps the bare name.
+    """
+    variant = meta.get("variant") or ""
+    name = meta.get("policy")
+    return {**meta, "policy_name": name, "variant": variant, "policy": f"{name}[{variant}]" if variant else name}
+
+
+def _read_store(sweep_path: Path, on_corrupt: str) -> tuple[list[_LoadedCell], dict[str, int], list[str]]:
+    cells: list[_LoadedCell] = []
     excluded = {"failed": 0, "running": 0, "corrupt": 0}
     corrupt: list[str] = []
-    for cell_file in sorted(sweep_dir.glob("*/cell.json")):
+    for cell_file in sorted(sweep_path.glob("*/cell.json")):
         cell_dir = cell_file.parent
         try:
             meta = _read_json(cell_file)
@@ -138,6 +294,7 @@ def _read_store(
             if status != "complete":
                 excluded["failed" if status == "failed" else "running"] += 1
                 continue
+            config = _read_config(cell_dir / "config.yaml")
             records = _read_records(cell_dir / "records.parquet")
         except CorruptCellError as error:
             if on_corrupt == "error":
@@ -145,14 +302,22 @@ def _read_store(
             excluded["corrupt"] += 1
             corrupt.append(str(error))
             continue
-        meta = {**meta, "sweep": meta.get("sweep", sweep_dir.name), "status": status, "path": str(cell_dir)}
-        cells.append((_with_arm(meta), records))
+        meta = {
+            **meta, "sweep": meta.get("sweep", sweep_path.name), "status": status, "path": str(cell_dir),
+            "schema_version": _version(meta.get("schema_version", config.get("schema_version"))),
+        }
+        cells.append(_LoadedCell(_with_arm(meta), config, records))
     return cells, excluded, corrupt
 
 
-def _wandb_meta(config: dict[str, Any], *, group: str, name: str, run_id: str, path: str) -> dict[str, Any]:
-    """A cell's identity from the flattened config the cell runner gives W&B (offline or online)."""
-    return _with_arm({
+def _version(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def _wandb_cell(config: dict[str, Any], records: pd.DataFrame, *, group: str, name: str, run_id: str,
+                path: str) -> _LoadedCell:
+    """A cell from the flattened config the cell runner gives W&B (offline or online)."""
+    meta = _with_arm({
         "sweep": group,
         "cell_id": config.get("cell_id", run_id),
         "name": name,
@@ -161,17 +326,20 @@ def _wandb_meta(config: dict[str, Any], *, group: str, name: str, run_id: str, p
         "budget": config.get("budget"),
         "seed": config.get("seed"),
         "variant": config.get("variant", ""),
+        "schema_version": _version(config.get("schema_version")),
         "status": "complete",
         "path": path,
     })
+    flat = flatten_config({k: v for k, v in config.items() if k not in WANDB_IDENTITY_KEYS and not k.startswith("_")})
+    return _LoadedCell(meta, flat, records)
 
 
 def _read_wandb_offline(
     root: Path, sweep: str | None, on_corrupt: str
-) -> tuple[list[tuple[dict[str, Any], pd.DataFrame]], dict[str, int], list[str]]:
+) -> tuple[list[_LoadedCell], dict[str, int], list[str]]:
     from ablate.tracking.offline_reader import find_offline_runs, history_frame, read_offline_run
 
-    cells: list[tuple[dict[str, Any], pd.DataFrame]] = []
+    cells: list[_LoadedCell] = []
     excluded = {"failed": 0, "running": 0, "corrupt": 0}
     corrupt: list[str] = []
     for run_dir in find_offline_runs(root):
@@ -191,18 +359,16 @@ def _read_wandb_offline(
         if run.exit_code:
             excluded["failed"] += 1
             continue
-        meta = _wandb_meta(run.config, group=run.group, name=run.name, run_id=run.run_id, path=str(run.path))
-        cells.append((meta, history_frame(run)))
+        cells.append(_wandb_cell(run.config, history_frame(run), group=run.group, name=run.name,
+                                 run_id=run.run_id, path=str(run.path)))
     return cells, excluded, corrupt
 
 
-def _read_wandb_api(
-    project_path: str, sweep: str | None
-) -> tuple[list[tuple[dict[str, Any], pd.DataFrame]], dict[str, int], list[str]]:
+def _read_wandb_api(project_path: str, sweep: str | None) -> tuple[list[_LoadedCell], dict[str, int], list[str]]:
     import wandb
 
     filters = {"group": sweep} if sweep else {}
-    cells: list[tuple[dict[str, Any], pd.DataFrame]] = []
+    cells: list[_LoadedCell] = []
     excluded = {"failed": 0, "running": 0, "corrupt": 0}
     for run in wandb.Api().runs(project_path, filters=filters):
         if run.job_type == SUMMARY_JOB_TYPE:
@@ -210,13 +376,12 @@ def _read_wandb_api(
         if run.state != "finished":
             excluded["failed" if run.state in ("failed", "crashed") else "running"] += 1
             continue
-        config = dict(run.config)
         records = pd.DataFrame(list(run.scan_history()))
         if "step" not in records.columns and "_step" in records.columns:
             records = records.rename(columns={"_step": "step"})
         records = records[[c for c in records.columns if not c.startswith("_")]]
-        meta = _wandb_meta(config, group=run.group, name=run.name, run_id=run.id, path=run.url)
-        cells.append((meta, records))
+        cells.append(_wandb_cell(dict(run.config), records, group=run.group, name=run.name, run_id=run.id,
+                                 path=run.url))
     return cells, excluded, []
 
 
@@ -224,29 +389,36 @@ def _metric_columns(records: pd.DataFrame) -> list[str]:
     return [c for c in records.columns if c != "step" and pd.api.types.is_numeric_dtype(records[c])]
 
 
-def _cells_frame(cells: list[tuple[dict[str, Any], pd.DataFrame]], settings: dict[str, Any]) -> pd.DataFrame:
+def _identity(cell: _LoadedCell, config_keys: list[str]) -> dict[str, Any]:
+    row = {key: cell.meta.get(key) for key in (*ID_COLUMNS, "path")}
+    row.update({key: _plain(cell.config.get(key)) for key in config_keys})
+    return row
+
+
+def _cells_frame(cells: list[_LoadedCell], config_keys: list[str], settings: dict[str, Any]) -> pd.DataFrame:
     rows = []
-    for meta, records in cells:
-        row = {key: meta.get(key) for key in (*ID_COLUMNS, "path")}
-        row.update(cell_outcomes(records, **settings))
-        ordered = records.sort_values("step") if "step" in records.columns else records
+    for cell in cells:
+        row = _identity(cell, config_keys)
+        row.update(cell_outcomes(cell.records, **settings))
+        ordered = cell.records.sort_values("step") if "step" in cell.records.columns else cell.records
         for key in _metric_columns(ordered):
             values = ordered[key].to_numpy(dtype=float)
             finite = values[np.isfinite(values)]
             row[key] = float(finite[-1]) if finite.size else math.nan
         rows.append(row)
-    return _typed(pd.DataFrame(rows, columns=None if rows else [*ID_COLUMNS, "path"]))
+    return _typed(pd.DataFrame(rows, columns=None if rows else [*ID_COLUMNS, "path", *config_keys]))
 
 
-def _steps_frame(cells: list[tuple[dict[str, Any], pd.DataFrame]]) -> pd.DataFrame:
+def _steps_frame(cells: list[_LoadedCell], config_keys: list[str]) -> pd.DataFrame:
     parts = []
-    for meta, records in cells:
-        part = records.copy()
-        for key in reversed(ID_COLUMNS):
-            part.insert(0, key, meta.get(key))
+    for cell in cells:
+        identity = _identity(cell, config_keys)
+        part = cell.records.copy()
+        for key in reversed(list(identity)):
+            part.insert(0, key, identity[key])
         parts.append(part)
     if not parts:
-        return pd.DataFrame(columns=[*ID_COLUMNS, "step"])
+        return pd.DataFrame(columns=[*ID_COLUMNS, "path", *config_keys, "step"])
     return _typed(pd.concat(parts, ignore_index=True))
 
 
@@ -265,3 +437,17 @@ def _report_excluded(excluded: dict[str, int], corrupt: list[str], where: str) -
     if corrupt:
         message += "; corrupt: " + "; ".join(corrupt)
     warnings.warn(message, ExcludedCellsWarning, stacklevel=3)
+
+
+def _report_schema_versions(cells: list[_LoadedCell], where: str) -> None:
+    versions = Counter(str(cell.meta.get("schema_version")) for cell in cells)
+    if len(versions) < 2:
+        return
+    counts = ", ".join(f"{version} ({n} cells)" for version, n in sorted(versions.items()))
+    newest = max(versions, key=lambda v: tuple(int(p) if p.isdigit() else 0 for p in v.split(".")))
+    warnings.warn(
+        f"{where}: cells of diagnostics schema versions {counts} are mixed: they are compared only "
+        f"within one version (schema_version is part of the arm); keep one with "
+        f"where schema_version={newest}",
+        MixedSchemaWarning, stacklevel=3,
+    )

@@ -31,6 +31,13 @@ Outcomes (the names are a public contract):
     Last finite value of ``drift/experts`` (relative change of expert parameters since step 0).
 ``residual_mismatch_mean``
     Mean over steps of ``routing/residual_mismatch_rate`` (mismatched routes left after replay).
+``effective_budget_mean``
+    Mean over steps of ``replay/effective_budget``: the share of valid routes whose replayed
+    experts differ from the native ones, i.e. the routes replay actually changed (the budget
+    counts routes replayed, and replaying a route where rollout and native experts agree
+    changes nothing). Where a step lacks that key it is ``replay/budget_realized x
+    replay/override_rate``, the same quantity from two keys every schema-1.0 run logs; a step
+    that replayed nothing (``budget_realized = 0``, so ``none``) has effective budget 0.
 ``collapsed``
     1.0 if the run collapsed, else 0.0 (NaN without reward data). Rule: smooth the reward with
     a trailing moving average over ``smoothing_window`` steps; let ``best`` be its maximum
@@ -60,6 +67,8 @@ EXTREME_KEY = "mismatch/extreme_token_frac"
 OVERRIDE_KEY = "replay/override_rate"
 EXPERT_DRIFT_KEY = "drift/experts"
 RESIDUAL_KEY = "routing/residual_mismatch_rate"
+EFFECTIVE_BUDGET_KEY = "replay/effective_budget"
+BUDGET_REALIZED_KEY = "replay/budget_realized"
 
 OUTCOME_NAMES: tuple[str, ...] = (
     "final_reward",
@@ -72,7 +81,24 @@ OUTCOME_NAMES: tuple[str, ...] = (
     "override_rate_mean",
     "expert_drift_final",
     "residual_mismatch_mean",
+    "effective_budget_mean",
 )
+
+#: Which way is better for each outcome: True higher, False lower, None neither (a description
+#: of what replay did, not a goal). The probability of improvement and the flags read it.
+HIGHER_IS_BETTER: dict[str, bool | None] = {
+    "final_reward": True,
+    "reward_auc": True,
+    "reward_late_gain": True,
+    "collapsed": False,
+    "kl_k3_mean": False,
+    "kl_k3_worst": False,
+    "extreme_token_frac_mean": False,
+    "override_rate_mean": None,
+    "expert_drift_final": None,
+    "residual_mismatch_mean": False,
+    "effective_budget_mean": None,
+}
 
 
 def cell_outcomes(
@@ -121,7 +147,16 @@ def cell_outcomes(
         "override_rate_mean": _nanmean(_column(records, OVERRIDE_KEY)),
         "expert_drift_final": _last_finite(_column(records, EXPERT_DRIFT_KEY)),
         "residual_mismatch_mean": _nanmean(_column(records, RESIDUAL_KEY)),
+        "effective_budget_mean": _nanmean(_effective_budget(records)),
     }
+
+
+def _effective_budget(records: pd.DataFrame) -> np.ndarray:
+    """Per step: the logged effective budget, else realized budget x override rate (0 if nothing replayed)."""
+    realized = _column(records, BUDGET_REALIZED_KEY)
+    derived = np.where(realized == 0.0, 0.0, realized * _column(records, OVERRIDE_KEY))
+    logged = _column(records, EFFECTIVE_BUDGET_KEY)
+    return np.where(np.isfinite(logged), logged, derived)
 
 
 def _column(records: pd.DataFrame, key: str) -> np.ndarray:

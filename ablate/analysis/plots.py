@@ -3,119 +3,280 @@
 Uses matplotlib's object API (``matplotlib.figure.Figure``) with the Agg canvas, so it never
 touches pyplot's global state or needs a display. Each function takes the tables the rest of
 ``ablate.analysis`` produces and returns the paths it wrote.
+
+Every policy has one colour in every figure of every sweep (:func:`policy_color`; settings
+variants such as ``fisher[tau=1.0]`` share their policy's colour and differ in line style), so
+figures of different sweeps can be read side by side. A sweep with arm keys besides policy and
+budget (``backend.router_noise``) gets one panel per value of those keys.
 """
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import pandas as pd
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
-from ablate.analysis.tables import FIXED_BUDGET_POLICIES, order_policies
+from ablate.analysis.extras import require
+
+require("matplotlib", "Plots")
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from ablate.analysis.tables import FIXED_BUDGET_POLICIES, order_policies  # noqa: E402
 
 FORMATS: tuple[str, ...] = ("png", "svg")
 STEP_KEYS: tuple[str, ...] = ("train/reward", "mismatch/kl_k3")
-LINE_STYLES: tuple[str, ...] = ("-", "--", ":", "-.")
+LINE_STYLES: tuple[Any, ...] = ("-", "--", ":", "-.", (0, (5, 1, 1, 1)), (0, (1, 3)))
+#: Okabe-Ito colours (distinguishable with the common colour-vision deficiencies), one per policy.
+POLICY_COLORS: dict[str, str] = {
+    "none": "#000000",
+    "full": "#CC79A7",
+    "random": "#0072B2",
+    "uniform": "#56B4E9",
+    "fisher": "#D55E00",
+    "mismatch": "#009E73",
+}
+POLICY_MARKERS: dict[str, str] = {"none": "o", "full": "o", "random": "o", "uniform": "s", "fisher": "^", "mismatch": "D"}
+#: Selection effects: colour is the policy, the marker its baseline (hollow squares: matched).
+BASELINE_MARKERS: dict[str, str] = {"random": "o", "uniform": "D"}
+#: Policies registered by users get a colour from this list, chosen by a hash of their name so
+#: that it is the same in every sweep.
+OTHER_COLORS: tuple[str, ...] = ("#E69F00", "#8C564B", "#7F7F7F", "#BCBD22", "#17BECF", "#9467BD", "#8B0000")
+
+
+def policy_color(policy: str) -> str:
+    """The colour of a policy (or of a settings variant ``name[...]``: its policy's colour)."""
+    name = policy.split("[")[0]
+    if name in POLICY_COLORS:
+        return POLICY_COLORS[name]
+    return OTHER_COLORS[zlib.crc32(name.encode()) % len(OTHER_COLORS)]
+
+
+def policy_style(policy: str, policies: Iterable[str]) -> Any:
+    """Line style of a variant among ``policies``: solid for the policy itself, then dashes."""
+    name = policy.split("[")[0]
+    variants = sorted(p for p in set(policies) if p.split("[")[0] == name and p != name)
+    return LINE_STYLES[0] if policy == name else LINE_STYLES[(1 + variants.index(policy)) % len(LINE_STYLES)]
 
 
 def plot_budget_response(summary: pd.DataFrame, path_stem: str | Path, *, outcome: str | None = None) -> list[Path]:
-    """Outcome against budget, one line per budgeted policy with its CI band.
+    """Outcome against budget, one line per budgeted policy with its interval, per context.
 
-    ``summary`` is :func:`ablate.analysis.tables.summarize` output. ``none`` and ``full`` are
-    drawn as horizontal reference lines (their mean, dashed, with a light CI band).
+    ``summary`` is :func:`ablate.analysis.tables.summarize` output. Intervals are error bars
+    on points nudged apart along the budget axis, over a faint band, so that arms whose
+    intervals overlap stay readable; arms with too few seeds for an interval are hollow.
+    ``none`` and ``full`` are horizontal reference lines (dashed) with a faint band.
     """
     outcome = outcome or summary.attrs.get("outcome", "outcome")
+    keys = list(summary.attrs.get("by", []))
     table = summary.reset_index()
-    fig = _figure()
-    ax = fig.add_subplot()
-    colors = _colors(table["policy"].unique())
-    for policy in order_policies(table["policy"].unique()):
-        rows = table[table["policy"] == policy].sort_values("budget")
-        if policy in FIXED_BUDGET_POLICIES:
-            row = rows.iloc[0]
-            ax.axhline(row["mean"], color=colors[policy], linestyle="--", label=f"{policy} (b={row['budget']:g})")
-            if np.isfinite(row["ci_low"]):
-                ax.axhspan(row["ci_low"], row["ci_high"], color=colors[policy], alpha=0.08)
-            continue
-        ax.plot(rows["budget"], rows["mean"], marker="o", color=colors[policy], label=policy)
-        ax.fill_between(rows["budget"], rows["ci_low"], rows["ci_high"], color=colors[policy], alpha=0.2)
+    panels = _contexts(table, keys)
+    fig, axes = _panels(len(panels))
+    policies = list(table["policy"].unique())
+    budgeted = [p for p in order_policies(policies) if p not in FIXED_BUDGET_POLICIES]
+    budgets = np.sort(table.loc[~table["policy"].isin(FIXED_BUDGET_POLICIES), "budget"].unique())
+    nudge = 0.012 * (float(budgets.max() - budgets.min()) if budgets.size > 1 else 1.0)
+    for ax, (title, part) in zip(axes, panels):
+        for policy in order_policies(part["policy"].unique()):
+            rows = part[part["policy"] == policy].sort_values("budget")
+            color = policy_color(policy)
+            if policy in FIXED_BUDGET_POLICIES:
+                row = rows.iloc[0]
+                ax.axhline(row["mean"], color=color, linestyle="--", linewidth=1.2, label=f"{policy} (b={row['budget']:g})")
+                if np.isfinite(row["ci_low"]):
+                    ax.axhspan(row["ci_low"], row["ci_high"], color=color, alpha=0.06)
+                continue
+            x = rows["budget"].to_numpy() + (budgeted.index(policy) - (len(budgeted) - 1) / 2) * nudge
+            has_ci = np.isfinite(rows["ci_low"].to_numpy())
+            ax.plot(x, rows["mean"], color=color, linestyle=policy_style(policy, policies), linewidth=1.5,
+                    label=policy)
+            ax.fill_between(x, rows["ci_low"], rows["ci_high"], color=color, alpha=0.07, linewidth=0)
+            errors = np.vstack([rows["mean"] - rows["ci_low"], rows["ci_high"] - rows["mean"]])
+            ax.errorbar(x[has_ci], rows["mean"].to_numpy()[has_ci], yerr=errors[:, has_ci], fmt="none",
+                        ecolor=color, capsize=3, linewidth=1.0)
+            marker = POLICY_MARKERS.get(policy.split("[")[0], "o")
+            ax.scatter(x, rows["mean"], color=np.where(has_ci[:, None], [_rgba(color)], [(1, 1, 1, 1)]),
+                       edgecolors=color, marker=marker, zorder=3, s=28)
+        ax.set_xlabel("budget (fraction of valid routes replayed)")
+        ax.set_ylabel(outcome)
+        ax.set_title(title, fontsize="small")
+        ax.legend(fontsize="x-small")
     level = summary.attrs.get("level")
-    ax.set_xlabel("budget (fraction of valid routes replayed)")
-    ax.set_ylabel(outcome)
-    ax.set_title(f"{outcome} vs budget" + (f" (mean, {level:.0%} bootstrap CI)" if level else ""))
-    ax.legend(fontsize="small")
+    fig.suptitle(f"{outcome} vs budget" + (f" (mean over seeds, {level:.0%} bootstrap CI; hollow: too few seeds)"
+                                           if level else ""), fontsize="medium")
     return _save(fig, path_stem)
 
 
 def plot_selection_effects(effects_table: pd.DataFrame, path_stem: str | Path, *, outcome: str | None = None) -> list[Path]:
-    """Selection effects per budget: mean paired difference with its interval, zero line."""
+    """Selection effects per budget, raw (filled; circle: against random, diamond: against uniform)
+    and at a matched effective budget (hollow squares), per context."""
     outcome = outcome or effects_table.attrs.get("outcome", "outcome")
-    rows = effects_table[effects_table["effect"] == "selection"]
-    fig = _figure()
-    ax = fig.add_subplot()
-    comparisons = list(dict.fromkeys(zip(rows["policy"], rows["baseline"])))
-    budgets = sorted(rows["budget"].unique())
-    width = 0.8 / max(1, len(comparisons))
-    for i, (policy, baseline) in enumerate(comparisons):
-        part = rows[(rows["policy"] == policy) & (rows["baseline"] == baseline)].set_index("budget")
-        x = np.array([budgets.index(b) for b in part.index]) + (i - (len(comparisons) - 1) / 2) * width
-        errors = np.vstack([part["mean"] - part["ci_low"], part["ci_high"] - part["mean"]])
-        ax.errorbar(x, part["mean"], yerr=np.nan_to_num(errors), fmt="o", capsize=4, label=f"{policy} - {baseline}")
-    ax.axhline(0.0, color="gray", linewidth=0.8)
-    ax.set_xticks(range(len(budgets)), [f"{b:g}" for b in budgets])
-    ax.set_xlabel("budget")
-    ax.set_ylabel(f"difference in {outcome}")
-    ax.set_title("selection effect (paired by seed)")
-    if comparisons:
-        ax.legend(fontsize="small")
-    else:
-        ax.text(0.5, 0.5, "no selection comparisons in this sweep", ha="center", transform=ax.transAxes)
+    keys = list(effects_table.attrs.get("by", []))
+    rows = effects_table[effects_table["effect"].isin(["selection", "matched_selection"]) & ~effects_table["pooled"]]
+    panels = _contexts(rows, keys) if not rows.empty else [("", rows)]
+    fig, axes = _panels(len(panels))
+    policies = list(effects_table["policy"].unique())
+    for ax, (title, part) in zip(axes, panels):
+        comparisons = list(dict.fromkeys(zip(part["effect"], part["policy"], part["baseline"])))
+        budgets = sorted(part["budget"].unique())
+        width = 0.8 / max(1, len(comparisons))
+        for i, (effect, policy, baseline) in enumerate(comparisons):
+            sub = part[(part["effect"] == effect) & (part["policy"] == policy) & (part["baseline"] == baseline)]
+            x = np.array([budgets.index(b) for b in sub["budget"]]) + (i - (len(comparisons) - 1) / 2) * width
+            errors = np.nan_to_num(np.vstack([sub["mean"] - sub["ci_low"], sub["ci_high"] - sub["mean"]]))
+            color = policy_color(policy)
+            matched = effect == "matched_selection"
+            label = f"{policy} - {baseline}" + (" at its effective budget" if matched else "")
+            marker = "s" if matched else BASELINE_MARKERS.get(baseline, "v")
+            ax.errorbar(x, sub["mean"], yerr=errors, fmt=marker, capsize=3, color=color,
+                        markerfacecolor="white" if matched else color,
+                        linestyle="none", label=label)
+            if policy_style(policy, policies) != "-":
+                ax.plot(x, sub["mean"], color=color, linestyle=policy_style(policy, policies), linewidth=0.8)
+        ax.axhline(0.0, color="gray", linewidth=0.8)
+        ax.set_xticks(range(len(budgets)), [f"{b:g}" for b in budgets])
+        ax.set_xlabel("budget")
+        ax.set_ylabel(f"difference in {outcome}")
+        ax.set_title(title, fontsize="small")
+        if comparisons:
+            ax.legend(fontsize="x-small")
+        else:
+            ax.text(0.5, 0.5, "no selection comparisons in this sweep", ha="center", transform=ax.transAxes)
+    fig.suptitle("selection effect (paired by seed; hollow: against random at the same effective budget)",
+                 fontsize="medium")
+    return _save(fig, path_stem)
+
+
+def plot_effective_budget(
+    cells: pd.DataFrame, path_stem: str | Path, *, outcome: str, by: Sequence[str] = ()
+) -> list[Path]:
+    """Outcome against the effective budget (share of valid routes replay changed), per context.
+
+    Each seed is a faint point; each arm (policy at a budget) a marker at its mean with
+    one-standard-error bars on both axes, labelled with its budget. ``random``'s arms, from
+    ``none`` (effective budget 0) to ``full``, are joined into the curve that matched
+    comparisons read from: an arm above that curve did better than changing as many routes at
+    random.
+    """
+    effective = "effective_budget_mean"
+    missing = [c for c in (effective, outcome) if c not in cells.columns]
+    if missing:
+        raise KeyError(f"plot_effective_budget needs column(s) {missing}")
+    panels = _contexts(cells, list(by))
+    fig, axes = _panels(len(panels))
+    policies = list(cells["policy"].unique())
+    for ax, (title, part) in zip(axes, panels):
+        arms = (part.groupby(["policy", "budget"])[[effective, outcome]]
+                .agg(["mean", "sem"]).reset_index())
+        arms.columns = ["policy", "budget", "e", "e_sem", "y", "y_sem"]
+        curve = arms[arms["policy"].isin(["none", "random", "full"])].sort_values("e")
+        if (curve["policy"] == "random").any():
+            ax.plot(curve["e"], curve["y"], color=policy_color("random"), linewidth=1.0, alpha=0.6,
+                    label="random's curve (none to full)")
+        for policy in order_policies(arms["policy"].unique()):
+            color = policy_color(policy)
+            seeds = part[part["policy"] == policy]
+            ax.scatter(seeds[effective], seeds[outcome], color=color, alpha=0.25, s=10, linewidths=0)
+            mine = arms[arms["policy"] == policy]
+            ax.errorbar(mine["e"], mine["y"], xerr=mine["e_sem"].fillna(0), yerr=mine["y_sem"].fillna(0),
+                        fmt=POLICY_MARKERS.get(policy.split("[")[0], "o"), color=color, capsize=2,
+                        linestyle="none", label=policy,
+                        markerfacecolor="white" if policy_style(policy, policies) != "-" else color)
+            if policy not in FIXED_BUDGET_POLICIES:
+                for row in mine.itertuples():
+                    ax.annotate(f"{row.budget:g}", (row.e, row.y), textcoords="offset points", xytext=(4, 3),
+                                fontsize="xx-small", color=color)
+        ax.set_xlabel("effective budget (share of valid routes whose experts replay changed)")
+        ax.set_ylabel(outcome)
+        ax.set_title(title, fontsize="small")
+        ax.legend(fontsize="x-small")
+    fig.suptitle(f"{outcome} vs effective budget (arm means, 1 s.e.; labels: budget)", fontsize="medium")
     return _save(fig, path_stem)
 
 
 def plot_step_curves(
-    steps: pd.DataFrame, path_stem: str | Path, *, keys: Sequence[str] = STEP_KEYS
+    steps: pd.DataFrame,
+    path_stem: str | Path,
+    *,
+    keys: Sequence[str] = STEP_KEYS,
+    by: Sequence[str] = (),
+    smoothing: float = 0.1,
 ) -> list[Path]:
-    """Per-step curves of ``keys``, one line per (policy, budget): mean over seeds, band of
-    plus/minus one standard error across seeds; colour = policy, line style = budget.
-    ``steps`` is ``load_runs(..., per_step=True)``."""
+    """Per-step curves of ``keys``: one panel per key and budget (rows: key and context).
+
+    Each panel holds every policy at that budget plus ``none`` and ``full`` as references:
+    the mean over seeds, smoothed by a centred moving average over ``smoothing`` of the steps
+    (at least 1 step), drawn over the raw mean curve (faint). ``steps`` is
+    ``load_runs(..., per_step=True)``.
+    """
     keys = [k for k in keys if k in steps.columns]
-    fig = _figure(width=6.0 * max(1, len(keys)))
-    colors = _colors(steps["policy"].unique()) if len(steps) else {}
-    for i, key in enumerate(keys):
-        ax = fig.add_subplot(1, len(keys), i + 1)
-        grouped = steps.groupby(["policy", "budget", "step"])[key].agg(["mean", "sem"]).reset_index()
-        for policy in order_policies(grouped["policy"].unique()):
-            for i_budget, (budget, curve) in enumerate(grouped[grouped["policy"] == policy].groupby("budget")):
-                label = policy if policy in FIXED_BUDGET_POLICIES else f"{policy} b={budget:g}"
-                style = LINE_STYLES[i_budget % len(LINE_STYLES)]
-                ax.plot(curve["step"], curve["mean"], color=colors[policy], linestyle=style, label=label)
-                sem = curve["sem"].fillna(0.0)
-                ax.fill_between(curve["step"], curve["mean"] - sem, curve["mean"] + sem, color=colors[policy], alpha=0.12)
-        ax.set_xlabel("step")
-        ax.set_ylabel(key)
-        ax.set_title(f"{key} (mean over seeds, band: 1 s.e.)")
-        ax.legend(fontsize="x-small", ncol=2)
-    if not keys:
+    if not keys or steps.empty:
+        fig = _figure()
         fig.add_subplot().text(0.5, 0.5, f"none of {list(STEP_KEYS)} were logged", ha="center")
+        return _save(fig, path_stem)
+    contexts = _contexts(steps, list(by))
+    budgeted = steps.loc[~steps["policy"].isin(FIXED_BUDGET_POLICIES), "budget"]
+    budgets = sorted(budgeted.unique()) or [None]
+    n_rows, n_cols = len(keys) * len(contexts), len(budgets)
+    fig = _figure(width=4.2 * n_cols, height=3.3 * n_rows)
+    axes = fig.subplots(n_rows, n_cols, squeeze=False)
+    window = max(1, int(round(smoothing * steps["step"].nunique())))
+    policies = list(steps["policy"].unique())
+    for i_key, key in enumerate(keys):
+        for i_ctx, (title, part) in enumerate(contexts):
+            means = part.groupby(["policy", "budget", "step"])[key].mean().reset_index()
+            for i_budget, budget in enumerate(budgets):
+                ax = axes[i_key * len(contexts) + i_ctx, i_budget]
+                shown = means[means["policy"].isin(FIXED_BUDGET_POLICIES) | (means["budget"] == budget)]
+                for policy in order_policies(shown["policy"].unique()):
+                    curve = shown[shown["policy"] == policy].sort_values("step")
+                    color, style = policy_color(policy), policy_style(policy, policies)
+                    ax.plot(curve["step"], curve[key], color=color, alpha=0.2, linewidth=0.7, linestyle=style)
+                    smooth = curve[key].rolling(window, center=True, min_periods=1).mean()
+                    ax.plot(curve["step"], smooth, color=color, linewidth=1.5, linestyle=style, label=policy)
+                ax.set_title(" ".join(part for part in (title, "" if budget is None else f"b={budget:g}") if part),
+                             fontsize="small")
+                ax.set_xlabel("step")
+                ax.set_ylabel(key)
+                ax.legend(fontsize="xx-small")
+    fig.suptitle(f"mean over seeds; bold: moving average over {window} step(s), faint: raw", fontsize="medium")
     return _save(fig, path_stem)
+
+
+def _contexts(frame: pd.DataFrame, keys: list[str]) -> list[tuple[str, pd.DataFrame]]:
+    if not keys:
+        return [("", frame)]
+    panels = []
+    for values, part in frame.groupby(keys, sort=True, dropna=False):
+        values = values if isinstance(values, tuple) else (values,)
+        panels.append((", ".join(f"{k}={v}" for k, v in zip(keys, values)), part))
+    return panels
+
+
+def _panels(n: int) -> tuple[Figure, list[Any]]:
+    cols = min(n, 3)
+    rows = -(-n // cols)
+    fig = _figure(width=6.5 * cols, height=4.5 * rows)
+    axes = list(fig.subplots(rows, cols, squeeze=False).ravel())
+    for unused in axes[n:]:
+        unused.remove()
+    return fig, axes[:n]
+
+
+def _rgba(color: str) -> tuple[float, ...]:
+    from matplotlib.colors import to_rgba
+
+    return to_rgba(color)
 
 
 def _figure(width: float = 6.5, height: float = 4.5) -> Figure:
     fig = Figure(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(fig)
     return fig
-
-
-def _colors(policies: Sequence[str]) -> dict[str, tuple[float, ...]]:
-    from matplotlib import colormaps
-
-    palette = colormaps["tab10"]
-    return {policy: palette(i % 10) for i, policy in enumerate(order_policies(policies))}
 
 
 def _save(fig: Figure, path_stem: str | Path) -> list[Path]:

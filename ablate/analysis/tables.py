@@ -5,9 +5,20 @@ Both functions work on any tidy frame with one row per cell and the columns ``po
 frame you build yourself). A NaN outcome drops that cell from the statistic; ``n_seeds`` counts
 the seeds actually used.
 
-``none`` and ``full`` do not depend on the budget (DESIGN.md section 3): their rows carry a
+**Arms.** A cell's arm is its policy (with its settings, ``fisher[tau=1.0]``), its budget and
+every other config key that varies in the sweep (``df.attrs["config_keys"]``, filled by
+``load_runs``, plus ``schema_version`` when it varies); ``by=`` names the keys explicitly
+instead. Tables have one row per arm, and effects compare policies only within one value of
+those other keys (a *context*), so a sweep over ``backend.router_noise`` gets its replay,
+budget and selection effects at each noise level.
+
+``none`` and ``full`` do not depend on the budget (docs/design.md section 3): their rows carry a
 fixed budget (0 and 1) and, in :func:`effects`, one row per seed serves as the baseline at every
 budget.
+
+**Few seeds.** Below ``min_seeds`` (default :func:`~ablate.analysis.stats.min_seeds_for_interval`,
+6 at level 0.95: the fewest for which an exact sign-flip test can reach ``p < 0.05``) no
+interval is reported, and the ``note`` column says so.
 
 Every interval is reproducible: each table row draws from its own generator, seeded from
 ``seed`` and the row's identity, so adding a policy never changes another row's interval.
@@ -17,17 +28,25 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Hashable, Iterable, Sequence
 
 import numpy as np
 import pandas as pd
 
+from ablate.analysis.matched import matched_pairs, seed_curves
+from ablate.analysis.outcomes import HIGHER_IS_BETTER
 from ablate.analysis.stats import (
+    Adjustment,
+    CiMethod,
+    adjust_pvalues,
     bootstrap_ci,
     iqm,
-    min_seeds_for_sign_flip,
+    min_seeds_for_interval,
     paired_bootstrap_ci,
+    probability_of_improvement,
     sign_flip_pvalue,
+    snap_to_zero,
 )
 from ablate.budget import FIXED_BUDGETS
 
@@ -35,36 +54,76 @@ from ablate.budget import FIXED_BUDGETS
 FIXED_BUDGET_POLICIES = FIXED_BUDGETS
 POLICY_ORDER: tuple[str, ...] = ("none", "full", "random", "uniform", "fisher", "mismatch")
 SELECTION_BASELINES: tuple[str, ...] = ("random", "uniform")
-EFFECT_COLUMNS: tuple[str, ...] = (
-    "effect", "policy", "baseline", "budget", "mean", "ci_low", "ci_high", "p_value", "n_seeds", "note",
+#: The control whose budget-response curve matched-effective-budget comparisons are read from.
+CURVE_POLICY = "random"
+EFFECTIVE_BUDGET = "effective_budget_mean"
+SUMMARY_COLUMNS: tuple[str, ...] = (
+    "mean", "std", "iqm", "ci_low", "ci_high", "n_seeds", "effective_budget", "note",
 )
+EFFECT_COLUMNS: tuple[str, ...] = (
+    "effect", "policy", "baseline", "budget", "pooled", "mean", "ci_low", "ci_high", "p_value", "p_adj",
+    "prob_improvement", "n_seeds", "note",
+)
+
+Arms = dict[tuple[str, float | None], dict[Hashable, float]]
+
+
+def arm_keys(df: pd.DataFrame, by: Sequence[str] | None = None) -> list[str]:
+    """The keys besides policy and budget that make an arm (module doc); ``by`` overrides them."""
+    if by is not None:
+        missing = [key for key in by if key not in df.columns]
+        if missing:
+            varied = df.attrs.get("config_keys", [])
+            raise KeyError(f"by={list(by)}: no column {missing}; config keys that vary here: {varied or 'none'}")
+        return [key for key in by if key not in ("policy", "budget", "seed")]
+    candidates = [*df.attrs.get("config_keys", []), "schema_version"]
+    return [key for key in dict.fromkeys(candidates) if key in df.columns and df[key].nunique(dropna=False) > 1]
+
+
+def contexts(df: pd.DataFrame, keys: Sequence[str]) -> list[tuple[dict[str, Any], pd.DataFrame]]:
+    """``({key: value}, rows)`` for each combination of the arm keys besides policy and budget."""
+    if not keys:
+        return [({}, df)]
+    return [(dict(zip(keys, values if isinstance(values, tuple) else (values,))), part)
+            for values, part in df.groupby(list(keys), sort=False, dropna=False)]
 
 
 def summarize(
     df: pd.DataFrame,
     outcome: str = "final_reward",
     *,
+    by: Sequence[str] | None = None,
     level: float = 0.95,
     reps: int = 2000,
     seed: int = 0,
+    method: CiMethod = "percentile",
+    min_seeds: int | None = None,
 ) -> pd.DataFrame:
-    """Per-(policy, budget) summary of one outcome over seeds.
+    """Per-arm summary of one outcome over seeds.
 
     Columns: ``mean``, ``std`` (sample standard deviation, ddof=1), ``iqm`` (interquartile
-    mean), ``ci_low``/``ci_high`` (percentile bootstrap interval of the mean at ``level``,
-    ``reps`` resamples), ``n_seeds``. Indexed by ``(policy, budget)``, policies in the
-    canonical order (none, full, random, uniform, fisher, mismatch, then others), budgets
-    ascending.
+    mean), ``ci_low``/``ci_high`` (bootstrap interval of the mean at ``level``, ``reps``
+    resamples, ``method`` percentile or BCa; none below ``min_seeds``), ``n_seeds``,
+    ``effective_budget`` (mean of ``effective_budget_mean``, when the frame has it) and
+    ``note``. Indexed by the arm keys, then ``(policy, budget)``; policies in the canonical
+    order (none, full, random, uniform, fisher, mismatch, then others), budgets ascending.
     """
-    _check_frame(df, outcome)
+    keys = arm_keys(df, by)
+    check_frame(df, outcome, keys)
+    needed = resolve_min_seeds(min_seeds, level)
     rows = []
-    for (policy, budget), group in df.groupby(["policy", "budget"], sort=False):
+    for group_key, group in df.groupby([*keys, "policy", "budget"], sort=False, dropna=False):
+        *context, policy, budget = group_key
         values = _finite(group[outcome])
         n = values.size
-        low, high = bootstrap_ci(
-            values, level=level, reps=reps, rng=_row_rng(seed, "summary", outcome, policy, budget)
-        ) if n else (math.nan, math.nan)
+        low, high = (
+            bootstrap_ci(values, level=level, reps=reps, method=method,
+                         rng=row_rng(seed, "summary", outcome, *context, policy, budget))
+            if n >= needed else (math.nan, math.nan)
+        )
+        effective = _finite(group[EFFECTIVE_BUDGET]) if EFFECTIVE_BUDGET in group.columns else np.array([])
         rows.append({
+            **dict(zip(keys, context)),
             "policy": policy,
             "budget": float(budget),
             "mean": float(values.mean()) if n else math.nan,
@@ -73,11 +132,12 @@ def summarize(
             "ci_low": low,
             "ci_high": high,
             "n_seeds": n,
+            "effective_budget": float(effective.mean()) if effective.size else math.nan,
+            "note": _seeds_note(n, needed, "seed"),
         })
-    table = pd.DataFrame(rows, columns=["policy", "budget", "mean", "std", "iqm", "ci_low", "ci_high", "n_seeds"])
-    table = table.iloc[canonical_order(table)].set_index(["policy", "budget"])
-    table.attrs["outcome"] = outcome
-    table.attrs["level"] = level
+    table = pd.DataFrame(rows, columns=[*keys, "policy", "budget", *SUMMARY_COLUMNS])
+    table = table.iloc[canonical_order(table, keys)].set_index([*keys, "policy", "budget"])
+    table.attrs.update(outcome=outcome, level=level, method=method, min_seeds=needed, by=keys)
     return table
 
 
@@ -85,13 +145,20 @@ def effects(
     df: pd.DataFrame,
     outcome: str = "final_reward",
     *,
+    by: Sequence[str] | None = None,
     level: float = 0.95,
     reps: int = 2000,
     seed: int = 0,
+    method: CiMethod = "percentile",
+    min_seeds: int | None = None,
     comparisons: Iterable[tuple[str, str]] | None = None,
     others_vs_random: bool = False,
+    adjust: Adjustment = "holm",
+    pooled: bool = True,
+    matched: bool = True,
+    extrapolate: float = 0.1,
 ) -> pd.DataFrame:
-    """Effects of replay, budget and selection on ``outcome``, paired by seed.
+    """Effects of replay, budget and selection on ``outcome``, paired by seed, per context.
 
     One row per (effect, policy, baseline, budget), each the mean over seeds of
     ``Y(policy) - Y(baseline)``:
@@ -103,46 +170,163 @@ def effects(
       two budgeted policies give ``selection`` rows at each shared budget, a budgeted policy
       against ``none`` or ``full`` gives ``budget`` rows, ``full`` against ``none`` ``replay``.
     - ``others_vs_random``: also every other budgeted policy against ``random`` (selection).
+    - ``matched_selection`` at b (``matched=True``, when the frame has ``effective_budget_mean``):
+      every budgeted policy other than ``random`` against ``random``'s budget-response curve at
+      the policy's effective budget, per seed (:mod:`ablate.analysis.matched`; ``extrapolate``
+      is its tolerance beyond the curve's ends).
+    - ``pooled=True``: for each comparison above made at two budgets or more, one row with
+      ``pooled`` True and ``budget`` NaN: per seed the mean difference over the budgets, for
+      claims that span budgets ("fisher beats random") with one test instead of one per budget.
 
     Only seeds present (with a finite outcome) in both arms are used; ``n_seeds`` counts them.
-    ``ci_low``/``ci_high`` is the paired percentile bootstrap interval of the mean difference,
-    ``p_value`` the two-sided sign-flip test (exact up to 20 seeds). ``note`` says in plain
-    words when the seeds are too few for a claim at ``1 - level``, or when unpaired seeds were
-    dropped. Rows whose arms are missing from ``df`` are skipped.
+    ``ci_low``/``ci_high`` is the paired bootstrap interval of the mean difference (none below
+    ``min_seeds`` paired seeds), ``p_value`` the two-sided sign-flip test (exact up to 20
+    seeds), ``prob_improvement`` rliable's probability that a run of the policy beats a run of
+    the baseline (the direction of "beats" from ``HIGHER_IS_BETTER``; for outcomes with no
+    better side, the probability of a larger value).
+
+    **Multiplicity.** ``p_adj`` is ``p_value`` adjusted within the outcome's family (``adjust``:
+    Holm by default, ``"bh"`` Benjamini-Hochberg, ``"none"``). The per-budget rows (replay,
+    budget, selection, matched selection) form one family and the pooled rows another, so a
+    claim across budgets is not charged for the per-budget tests. ``note`` says in plain words
+    when the seeds are too few for an interval or a claim, and when seeds were dropped.
     """
-    _check_frame(df, outcome)
-    pairs = _effect_pairs(df, comparisons, others_vs_random)
-    arms = _arms(df, outcome)
-    alpha = 1.0 - level
-    needed = min_seeds_for_sign_flip(alpha)
-    rows = []
-    for effect, policy, baseline, budget in pairs:
-        treated, control = _arm(arms, policy, budget), _arm(arms, baseline, budget)
-        shared = sorted(treated.keys() & control.keys())
-        a = np.array([treated[s] for s in shared], dtype=float)
-        b = np.array([control[s] for s in shared], dtype=float)
-        diffs = a - b
-        n = diffs.size
-        rng = _row_rng(seed, effect, outcome, policy, baseline, budget)
-        low, high = (
-            paired_bootstrap_ci(a, b, level=level, reps=reps, rng=rng) if n else (math.nan, math.nan)
-        )
-        rows.append({
-            "effect": effect,
-            "policy": policy,
-            "baseline": baseline,
-            "budget": math.nan if budget is None else float(budget),
-            "mean": float(diffs.mean()) if n else math.nan,
-            "ci_low": low,
-            "ci_high": high,
-            "p_value": sign_flip_pvalue(diffs, rng=rng) if n else math.nan,
-            "n_seeds": n,
-            "note": _note(n, needed, alpha, len(treated) + len(control) - 2 * n),
-        })
-    table = pd.DataFrame(rows, columns=list(EFFECT_COLUMNS))
-    table.attrs["outcome"] = outcome
-    table.attrs["level"] = level
+    keys = arm_keys(df, by)
+    check_frame(df, outcome, keys)
+    needed = resolve_min_seeds(min_seeds, level)
+    settings = _RowSettings(outcome, level, reps, seed, method, needed, HIGHER_IS_BETTER.get(outcome) is not False)
+    rows: list[dict[str, Any]] = []
+    for prefix, part in contexts(df, keys):
+        arms = arm_values(part, outcome)
+        comparisons_here = _effect_pairs(part, comparisons, others_vs_random)
+        block = [_paired_row(settings, prefix, kind, policy, baseline, budget, arms)
+                 for kind, policy, baseline, budget in comparisons_here]
+        if matched and EFFECTIVE_BUDGET in part.columns:
+            block += _matched_rows(settings, prefix, part, arms, extrapolate)
+        if pooled:
+            block += _pooled_rows(settings, prefix, block)
+        rows += block
+    table = pd.DataFrame([{k: v for k, v in row.items() if not k.startswith("_")} for row in rows],
+                         columns=[*keys, *EFFECT_COLUMNS])
+    table["pooled"] = table["pooled"].astype(bool)
+    families = {"per-budget": ~table["pooled"], "pooled": table["pooled"]}
+    for members in families.values():
+        table.loc[members, "p_adj"] = adjust_pvalues(table.loc[members, "p_value"].to_numpy(), adjust)
+    direction = HIGHER_IS_BETTER.get(outcome)
+    table.attrs.update(
+        outcome=outcome, level=level, method=method, min_seeds=needed, by=keys, adjust=adjust,
+        families={name: int(table.loc[members, "p_value"].notna().sum()) for name, members in families.items()},
+        improvement={True: "higher is better", False: "lower is better"}.get(direction, "P(policy > baseline)"),
+    )
     return table
+
+
+@dataclass(frozen=True)
+class _RowSettings:
+    """What every effect row of one table is computed with."""
+
+    outcome: str
+    level: float
+    reps: int
+    seed: int
+    method: CiMethod
+    needed: int  # fewest paired seeds for an interval
+    higher_is_better: bool  # outcomes with no better side count a larger value as the improvement
+
+
+def _row(
+    settings: _RowSettings, prefix: dict[str, Any], kind: str, policy: str, baseline: str, budget: float | None,
+    seeds: list[Hashable], a: np.ndarray, b: np.ndarray, notes: list[str], *, pooled: bool = False,
+) -> dict[str, Any]:
+    """One effect row from seed-paired values ``a`` (policy) and ``b`` (baseline)."""
+    n = a.size
+    rng = row_rng(settings.seed, kind, settings.outcome, *prefix.values(), policy, baseline, budget, pooled)
+    diffs = a - b
+    scale = float(max(np.abs(a).max(initial=0.0), np.abs(b).max(initial=0.0)))
+    low, high = (
+        paired_bootstrap_ci(a, b, level=settings.level, reps=settings.reps, rng=rng, method=settings.method)
+        if n >= settings.needed else (math.nan, math.nan)
+    )
+    return {
+        **prefix,
+        "effect": kind,
+        "policy": policy,
+        "baseline": baseline,
+        "budget": math.nan if budget is None else float(budget),
+        "pooled": pooled,
+        "mean": snap_to_zero(float(diffs.mean()), scale) if n else math.nan,
+        "ci_low": low,
+        "ci_high": high,
+        "p_value": sign_flip_pvalue(diffs, rng=rng) if n else math.nan,
+        "p_adj": math.nan,
+        "prob_improvement": probability_of_improvement(a, b, higher_is_better=settings.higher_is_better),
+        "n_seeds": n,
+        "note": "; ".join(part for part in [_seeds_note(n, settings.needed, "paired seed"), *notes] if part),
+        "_by_seed": dict(zip(seeds, zip(a, b))),
+    }
+
+
+def _paired_row(settings: _RowSettings, prefix: dict[str, Any], kind: str, policy: str, baseline: str,
+                budget: float | None, arms: Arms) -> dict[str, Any]:
+    treated, control = arm_seeds(arms, policy, budget), arm_seeds(arms, baseline, budget)
+    shared = sorted(treated.keys() & control.keys(), key=str)
+    unpaired = len(treated) + len(control) - 2 * len(shared)
+    notes = [f"{unpaired} unpaired seed value(s) dropped"] if unpaired else []
+    a = np.array([treated[s] for s in shared], dtype=float)
+    b = np.array([control[s] for s in shared], dtype=float)
+    return _row(settings, prefix, kind, policy, baseline, budget, shared, a, b, notes)
+
+
+def _matched_rows(settings: _RowSettings, prefix: dict[str, Any], part: pd.DataFrame, arms: Arms,
+                  extrapolate: float) -> list[dict[str, Any]]:
+    """``matched_selection`` rows: each budgeted policy against random's curve at its effective budget."""
+    effective = arm_values(part, EFFECTIVE_BUDGET)
+    curve_arms = [key for key in arms if key[0] in FIXED_BUDGET_POLICIES or key[0] == CURVE_POLICY]
+    if not any(key[0] == CURVE_POLICY and effective.get(key) for key in curve_arms):
+        return []  # no random arm with a known effective budget: no curve to read from
+    curves = seed_curves([(effective.get(key, {}), arms[key]) for key in curve_arms])
+    rows = []
+    for policy, budget in _budgeted_arms(arms):
+        if policy == CURVE_POLICY:
+            continue
+        known = effective.get((policy, budget), {})
+        seeds, a, b, outside, no_curve = matched_pairs(arms[(policy, budget)], known, curves, extrapolate=extrapolate)
+        notes = [] if known else ["no effective budget logged"]
+        if outside:
+            notes.append(f"{outside} seed(s) outside random's effective-budget range, dropped")
+        if no_curve:
+            notes.append(f"{no_curve} seed(s) without a random curve, dropped")
+        rows.append(_row(settings, prefix, "matched_selection", policy, CURVE_POLICY, budget, seeds, a, b, notes))
+    return rows
+
+
+def _pooled_rows(settings: _RowSettings, prefix: dict[str, Any], block: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per comparison made at several budgets: per seed, the mean difference over those budgets."""
+    by_comparison: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for row in block:
+        if not math.isnan(row["budget"]):
+            by_comparison.setdefault((row["effect"], row["policy"], row["baseline"]), []).append(row)
+    pooled = []
+    for (kind, policy, baseline), rows in by_comparison.items():
+        if len(rows) < 2 or not any(row["_by_seed"] for row in rows):
+            continue
+        everywhere = set.intersection(*(set(row["_by_seed"]) for row in rows))
+        seeds = sorted(everywhere, key=str)
+        dropped = len(set().union(*(set(row["_by_seed"]) for row in rows))) - len(seeds)
+        a = np.array([np.mean([row["_by_seed"][s][0] for row in rows]) for s in seeds], dtype=float)
+        b = np.array([np.mean([row["_by_seed"][s][1] for row in rows]) for s in seeds], dtype=float)
+        budgets = ", ".join(f"{row['budget']:g}" for row in rows)
+        notes = [f"pooled over budgets {budgets}"]
+        if dropped:
+            notes.append(f"{dropped} seed(s) missing at some budget, dropped")
+        pooled.append(_row(settings, prefix, kind, policy, baseline, None, seeds, a, b, notes, pooled=True))
+    return pooled
+
+
+def _budgeted_arms(arms: Arms) -> list[tuple[str, float]]:
+    budgeted = [key for key in arms if key[1] is not None]
+    rank = {name: i for i, name in enumerate(order_policies({policy for policy, _ in budgeted}))}
+    return sorted(budgeted, key=lambda key: (rank[key[0]], key[1]))  # type: ignore[return-value]
 
 
 def _effect_pairs(
@@ -178,54 +362,62 @@ def _effect_pairs(
     return pairs
 
 
-def _arms(df: pd.DataFrame, outcome: str) -> dict[tuple[str, float | None], dict[object, float]]:
-    """Finite outcome per seed for each arm; ``none``/``full`` are keyed without a budget."""
+def arm_values(df: pd.DataFrame, outcome: str) -> Arms:
+    """Finite outcome per seed for each policy arm of one context; ``none``/``full`` are keyed without a budget."""
     values = pd.to_numeric(df[outcome], errors="coerce").to_numpy(dtype=float)
-    arms: dict[tuple[str, float | None], dict[object, float]] = {}
+    arms: Arms = {}
     for policy, budget, seed, value in zip(df["policy"], df["budget"].astype(float), df["seed"], values):
         key = (policy, None if policy in FIXED_BUDGET_POLICIES else round(float(budget), 12))
         arm = arms.setdefault(key, {})
-        if seed in arm:
-            raise ValueError(
-                f"policy={policy} has several rows for seed {seed}: "
-                f"{policy} runs once per seed at its fixed budget"
-            )
         if np.isfinite(value):
             arm[seed] = float(value)
     return arms
 
 
-def _arm(arms: dict, policy: str, budget: float | None) -> dict[object, float]:
+def arm_seeds(arms: Arms, policy: str, budget: float | None) -> dict[Hashable, float]:
+    """``{seed: value}`` of one arm of :func:`arm_values` ({} when the sweep lacks it)."""
     key = (policy, None if policy in FIXED_BUDGET_POLICIES or budget is None else round(float(budget), 12))
     return arms.get(key, {})
 
 
-def _note(n: int, needed: int, alpha: float, unpaired: int) -> str:
-    parts = []
+def resolve_min_seeds(min_seeds: int | None, level: float) -> int:
+    """``min_seeds`` checked, or the default rule of :func:`min_seeds_for_interval`."""
+    if min_seeds is None:
+        return min_seeds_for_interval(level)
+    if min_seeds < 2:
+        raise ValueError(f"min_seeds={min_seeds}: expected at least 2 (a bootstrap needs two values)")
+    return int(min_seeds)
+
+
+def _seeds_note(n: int, needed: int, unit: str) -> str:
     if n == 0:
-        parts.append("no paired seeds")
-    elif n < needed:
-        parts.append(
-            f"only {n} paired seed{'s' if n > 1 else ''}: "
-            + ("no interval; " if n == 1 else "")
-            + f"an exact sign-flip test cannot reach p<{alpha:g} (needs >= {needed})"
-        )
-    if unpaired:
-        parts.append(f"{unpaired} unpaired seed value(s) dropped")
-    return "; ".join(parts)
+        return f"no {unit}s"
+    if n < needed:
+        return f"{n} {unit}{'s' if n > 1 else ''} < {needed}: no interval, too few for a claim"
+    return ""
 
 
-def _check_frame(df: pd.DataFrame, outcome: str) -> None:
+def check_frame(df: pd.DataFrame, outcome: str, keys: Sequence[str]) -> None:
+    """The columns exist and each (arm, seed) has one row; a clash names the key that tells the rows apart."""
     missing = [c for c in ("policy", "budget", "seed", outcome) if c not in df.columns]
     if missing:
         raise KeyError(f"results frame lacks column(s) {missing}; it has {list(df.columns)}")
-    duplicated = df.duplicated(["policy", "budget", "seed"], keep=False)
-    if duplicated.any():
-        first = df.loc[duplicated, ["policy", "budget", "seed"]].iloc[0].to_dict()
-        raise ValueError(
-            f"{int(duplicated.sum())} rows share (policy, budget, seed), e.g. {first}: "
-            "one row per cell expected (filter by backend or sweep first)"
-        )
+    identity = [*keys, "policy", "budget", "seed"]
+    duplicated = df.duplicated(identity, keep=False)
+    if not duplicated.any():
+        return
+    _, clash = next(iter(df.loc[duplicated].groupby(identity, sort=False, dropna=False)))
+    first = clash.iloc[0]
+    candidates = [*df.attrs.get("config_keys", []), "schema_version", "backend", "sweep", "cell_id"]
+    differ = [key for key in candidates if key in clash.columns and key not in keys
+              and clash[key].astype(str).nunique() > 1]
+    shown = ", ".join(f"{key}={first[key]}" for key in identity)
+    if differ:
+        hint = (f"they differ in {differ[0]}: group by it (by=[..., {differ[0]!r}], --by {differ[0]}) "
+                f"or keep one value (where={{{differ[0]!r}: ...}}, --where {differ[0]}=VALUE)")
+    else:
+        hint = "one row per cell expected (filter by backend or sweep first)"
+    raise ValueError(f"{int(duplicated.sum())} rows share an arm and seed, e.g. {len(clash)} with {shown}; {hint}")
 
 
 def _finite(values: pd.Series) -> np.ndarray:
@@ -233,17 +425,31 @@ def _finite(values: pd.Series) -> np.ndarray:
     return array[np.isfinite(array)]
 
 
-def _row_rng(seed: int, *identity: object) -> np.random.Generator:
+def row_rng(seed: int, *identity: object) -> np.random.Generator:
+    """A generator of its own for each table row, from ``seed`` and the row's identity."""
     key = zlib.crc32("|".join(str(part) for part in identity).encode())
     return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(key,)))
 
 
 def order_policies(policies: Iterable[str]) -> list[str]:
+    """Canonical order: the built-in policies first (each followed by its settings variants), then others."""
     rank = {name: i for i, name in enumerate(POLICY_ORDER)}
-    return sorted(policies, key=lambda p: (rank.get(p, len(rank)), p))
+    return sorted(policies, key=lambda p: (rank.get(p.split("[")[0], len(rank)), p))
 
 
-def canonical_order(table: pd.DataFrame) -> Sequence[int]:
+def canonical_order(table: pd.DataFrame, keys: Sequence[str] = ()) -> Sequence[int]:
+    """Row order: context keys, then policy (canonical), then budget."""
     rank = {name: i for i, name in enumerate(order_policies(table["policy"].unique()))}
-    keys = list(zip(table["policy"].map(rank), table["budget"]))
-    return sorted(range(len(table)), key=lambda i: keys[i])
+    sort_keys = [
+        (*(_sortable(table[key].iloc[i]) for key in keys), rank[table["policy"].iloc[i]], table["budget"].iloc[i])
+        for i in range(len(table))
+    ]
+    return sorted(range(len(table)), key=lambda i: sort_keys[i])
+
+
+def _sortable(value: Any) -> tuple[int, Any]:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return (2, "")
+    if isinstance(value, (int, float, np.number)) and not isinstance(value, bool):
+        return (0, float(value))
+    return (1, str(value))

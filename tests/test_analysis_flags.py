@@ -1,0 +1,99 @@
+"""Flags judged against none and full of the same sweep, on planted frames where each must fire and must not."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from ablate.analysis.flags import flag_policies
+
+NONE = {"final_reward": 0.60, "reward_late_gain": 0.02, "expert_drift_final": 0.30,
+        "kl_k3_mean": 8e-3, "extreme_token_frac_mean": 4e-3}
+FULL = {**NONE, "kl_k3_mean": 0.4e-3, "extreme_token_frac_mean": 0.3e-3}
+
+
+def flag_frame(rng, arms, *, n_seeds=10, noise=0.02):
+    """One row per cell: each outcome = the arm's planted value x (1 + seed offset + noise)."""
+    offsets = rng.normal(scale=0.05, size=n_seeds)
+    rows = []
+    for (policy, budget), values in arms.items():
+        for seed in range(n_seeds):
+            row = {"policy": policy, "budget": budget, "seed": seed}
+            row.update({k: v * (1 + offsets[seed] + rng.normal(scale=noise)) for k, v in values.items()})
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def planted_arms(overrides=None):
+    arms = {("none", 0.0): NONE, ("full", 1.0): FULL}
+    # A healthy arm: full's mismatch reduction, none's learning.
+    arms[("mismatch", 0.25)] = {**FULL}
+    arms.update(overrides or {})
+    return arms
+
+
+def test_too_restrictive_fires_on_a_planted_drop_and_not_without_one():
+    rng = np.random.default_rng(0)
+    frame = flag_frame(rng, planted_arms({
+        ("full", 1.0): {**FULL, "expert_drift_final": 0.15},  # replay held the experts back
+        ("fisher", 0.5): {**FULL, "final_reward": 0.50},  # learns less than none
+    }))
+    flags = flag_policies(frame)
+    assert flags.loc[("full", 1.0), "too_restrictive"]
+    assert "expert_drift_final below none's" in flags.loc[("full", 1.0), "reason"]
+    assert flags.loc[("fisher", 0.5), "too_restrictive"]
+    assert flags.loc[("fisher", 0.5), "final_reward_vs_none"] == pytest.approx(-0.1, abs=0.02)
+    assert flags.loc[("fisher", 0.5), "final_reward_vs_none_high"] < 0
+    assert not flags.loc[("mismatch", 0.25), "too_restrictive"]
+    assert ("none", 0.0) not in flags.index
+    # The margin is a setting: a 17% drop does not clear a 25% margin.
+    assert not flag_policies(frame, restrictive_margin=0.25).loc[("fisher", 0.5), "too_restrictive"]
+
+
+def test_too_weak_fires_when_an_arm_is_confidently_as_bad_as_none():
+    rng = np.random.default_rng(1)
+    frame = flag_frame(rng, planted_arms({
+        ("random", 0.05): {**NONE, "kl_k3_mean": 7.8e-3, "extreme_token_frac_mean": 3.9e-3},  # 3% of full's
+        ("random", 0.5): {**NONE, "kl_k3_mean": 4.2e-3, "extreme_token_frac_mean": 2.2e-3},  # half of full's
+    }))
+    flags = flag_policies(frame)
+    weak = flags.loc[("random", 0.05)]
+    assert weak["too_weak"] and not weak["too_restrictive"]
+    assert weak["kl_k3_mean_share"] == pytest.approx(0.03, abs=0.02) and weak["kl_k3_mean_share_high"] < 0.1
+    assert "of full's kl_k3_mean reduction (< 10%)" in weak["reason"]
+    assert not flags.loc[("random", 0.5), "too_weak"]
+    assert not flags.loc[("mismatch", 0.25), "too_weak"]
+    assert not flags.loc[("full", 1.0), "too_weak"]  # the reference is never too weak
+    # weak_share is a setting: asking for 2% makes the 3% arm acceptable.
+    assert not flag_policies(frame, weak_share=0.02).loc[("random", 0.05), "too_weak"]
+
+
+def test_a_noisy_arm_is_not_called_weak_for_lack_of_evidence():
+    rng = np.random.default_rng(2)
+    arms = planted_arms({("random", 0.05): {**NONE}})
+    noisy = flag_frame(rng, arms, noise=0.6)
+    flags = flag_policies(noisy)
+    assert not flags.loc[("random", 0.05), "too_weak"]
+    assert flags.loc[("random", 0.05), "kl_k3_mean_share_high"] > 0.1
+
+
+def test_nothing_is_judged_with_too_few_seeds_or_without_none_and_full():
+    rng = np.random.default_rng(3)
+    arms = planted_arms({("fisher", 0.5): {**NONE, "final_reward": 0.3}})
+    few = flag_policies(flag_frame(rng, arms, n_seeds=3))
+    assert not few[["too_restrictive", "too_weak"]].any().any()
+    assert "not judged: 3 seeds paired with none < 6" in few.loc[("fisher", 0.5), "note"]
+    no_full = flag_policies(flag_frame(rng, {k: v for k, v in arms.items() if k[0] != "full"}))
+    assert no_full.loc[("fisher", 0.5), "too_restrictive"]
+    assert "too weak not judged: needs none and full" in no_full.loc[("fisher", 0.5), "note"]
+
+
+def test_flags_rarely_fire_when_nothing_is_wrong():
+    rng = np.random.default_rng(4)
+    fired = 0
+    trials = 40
+    for i in range(trials):
+        frame = flag_frame(rng, planted_arms({("random", 0.25): {**FULL}}), n_seeds=8)
+        flags = flag_policies(frame, reps=500, seed=i)
+        fired += int(flags["too_restrictive"].sum() + flags["too_weak"].sum())
+    # 3 arms x 3 restrictive outcomes per trial, each a one-sided 2.5% chance of a false flag.
+    assert fired / (trials * 9) <= 0.045

@@ -1,0 +1,59 @@
+"""Plots: one colour per policy in every sweep, panels per context, every figure written."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from ablate.analysis import plots  # noqa: E402
+from ablate.analysis.tables import effects, summarize  # noqa: E402
+
+
+def test_a_policy_has_one_colour_whatever_else_the_sweep_holds():
+    builtin = ["none", "full", "random", "uniform", "fisher", "mismatch"]
+    colours = [plots.policy_color(p) for p in builtin]
+    assert len(set(colours)) == len(builtin)
+    assert plots.policy_color("fisher[tau=1.0]") == plots.policy_color("fisher")
+    # A user's policy gets the same colour in every sweep (a hash of its name, not its position).
+    assert plots.policy_color("my_policy") == plots.policy_color("my_policy") in plots.OTHER_COLORS
+    assert plots.policy_style("fisher", ["fisher", "fisher[tau=1.0]"]) == "-"
+    assert plots.policy_style("fisher[tau=1.0]", ["fisher", "fisher[tau=1.0]"]) != "-"
+
+
+def _cells(rng, n_seeds=6):
+    rows = []
+    for noise in (0.0, 0.07):
+        for seed in range(n_seeds):
+            m = 0.02 + noise
+            arms = [("none", 0.0, 0.0), ("full", 1.0, m)]
+            arms += [(p, b, b * m if p != "mismatch" else min(b, m)) for p in ("random", "fisher", "mismatch")
+                     for b in (0.1, 0.5)]
+            for policy, budget, e in arms:
+                rows.append({"policy": policy, "budget": budget, "seed": seed, "backend.router_noise": noise,
+                             "effective_budget_mean": e, "kl_k3_mean": 0.01 - 0.05 * e + rng.normal(scale=1e-4)})
+    frame = pd.DataFrame(rows)
+    frame.attrs["config_keys"] = ["backend.router_noise"]
+    return frame
+
+
+def test_every_figure_is_written_with_a_panel_per_context(tmp_path):
+    cells = _cells(np.random.default_rng(0))
+    table = summarize(cells, "kl_k3_mean", reps=200)
+    fx = effects(cells, "kl_k3_mean", reps=200, others_vs_random=True)
+    steps = cells.loc[cells.index.repeat(3)].assign(step=np.tile([0, 1, 2], len(cells)))
+    steps["mismatch/kl_k3"] = steps["kl_k3_mean"]
+    written = [
+        *plots.plot_budget_response(table, tmp_path / "budget"),
+        *plots.plot_selection_effects(fx, tmp_path / "selection"),
+        *plots.plot_effective_budget(cells, tmp_path / "effective", outcome="kl_k3_mean", by=["backend.router_noise"]),
+        *plots.plot_step_curves(steps, tmp_path / "steps", by=["backend.router_noise"]),
+    ]
+    assert [p.suffix for p in written] == [".png", ".svg"] * 4
+    for path in written:
+        assert path.stat().st_size > 1000
+    svg = (tmp_path / "effective.svg").read_text()
+    assert "backend.router_noise=0.07" in svg and "backend.router_noise=0.0" in svg  # one panel per value
+    assert plots.policy_color("mismatch").lower() in svg.lower()
+    with pytest.raises(KeyError, match="effective_budget_mean"):
+        plots.plot_effective_budget(cells.drop(columns="effective_budget_mean"), tmp_path / "x", outcome="kl_k3_mean")
