@@ -318,17 +318,20 @@ def _overlap_chunk(a: Tensor, b: Tensor) -> Tensor:
     return ((packed * 0x0101010101010101) >> 56).to(torch.int32)
 
 
-def sequence_chunks(bounds: list[int], ids_per_token: int) -> list[tuple[int, int]]:
-    """Runs of whole sequences ``(first, last)`` of about ``_CHUNK_IDS`` expert ids each, in order.
+def group_chunks(sizes: list[int]) -> list[list[int]]:
+    """Groups of entries (by their ``sizes``) in chunks of similar size, for kernels that pad them into rows.
 
-    ``bounds`` are ``sequences + 1`` token boundaries. A sequence is never split (per-sequence
-    kernels work on whole sequences); one longer than a chunk forms a chunk of its own.
+    Largest first; a chunk takes groups at least half as large as its first, so padding at most
+    doubles the entries, and holds about ``_CHUNK_IDS / 8`` entries (an int64 entry of a row and
+    its index weigh as much as eight int16 expert ids). A group larger than that is a chunk alone.
     """
-    limit = max(1, _CHUNK_IDS // max(1, ids_per_token))
-    chunks, first = [], 0
-    for last in range(1, len(bounds)):
-        if bounds[last] - bounds[first] > limit and last - 1 > first:
-            chunks.append((first, last - 1))
-            first = last - 1
-    chunks.append((first, len(bounds) - 1))
+    limit = max(1, _CHUNK_IDS // 8)
+    chunks: list[list[int]] = []
+    for group in sorted(range(len(sizes)), key=lambda g: -sizes[g]):
+        if chunks:
+            first = sizes[chunks[-1][0]]
+            if (len(chunks[-1]) + 1) * first <= limit and 2 * sizes[group] >= first:
+                chunks[-1].append(group)
+                continue
+        chunks.append([group])
     return chunks

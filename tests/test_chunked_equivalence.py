@@ -11,7 +11,7 @@ import ablate.routes
 from ablate import Routes, RoutesError, get_policy, replay_count
 from ablate.diagnostics import expert_load, route_diagnostics
 from ablate.policies.builtin import route_scores
-from ablate.routes import overlap_count, sequence_chunks, token_chunks
+from ablate.routes import group_chunks, overlap_count, token_chunks
 
 
 def reference_overlap(a, b):
@@ -130,7 +130,7 @@ def test_masks_and_diagnostics_do_not_depend_on_chunking(name, settings, all_val
     ("random", {}), ("random", {"per_layer": True}), ("uniform", {}), ("mismatch", {"per_layer": True}),
     ("fisher", {"scores": torch.rand(3, 100, generator=torch.Generator().manual_seed(0)).round(decimals=1)}),
 ])
-@pytest.mark.parametrize("chunk_ids", [1, 3 * 8 * 10, 10**9], ids=["1-sequence", "some-sequences", "one-chunk"])
+@pytest.mark.parametrize("chunk_ids", [1, 8 * 60, 10**9], ids=["1-group", "some-groups", "one-chunk"])
 def test_per_sequence_masks_do_not_depend_on_chunking(name, settings, chunk_ids, monkeypatch):
     full = random_batch(45, 3, 100, 8, seed=12)
     # Ragged sequences, one of them empty: 7 + 12 + 0 + 1 + 25 = 45 tokens.
@@ -144,16 +144,16 @@ def test_per_sequence_masks_do_not_depend_on_chunking(name, settings, chunk_ids,
 
     whole = run()
     monkeypatch.setattr(ablate.routes, "_CHUNK_IDS", chunk_ids)
-    assert len(sequence_chunks(routes.valid_offsets.tolist(), 3 * 8)) > 1 or chunk_ids == 10**9
+    assert len(group_chunks(routes.valid_offsets.diff().tolist())) > 1 or chunk_ids == 10**9
     assert torch.equal(whole, run())
     assert int(whole.sum()) == replay_count(0.3, routes, per_sequence=True)
 
 
-def test_sequence_chunks_keep_sequences_whole(monkeypatch):
-    monkeypatch.setattr(ablate.routes, "_CHUNK_IDS", 10)
-    assert sequence_chunks([0, 3, 6, 9, 10], 2) == [(0, 1), (1, 2), (2, 4)]  # at most 5 tokens a chunk
-    assert sequence_chunks([0, 100], 2) == [(0, 1)]  # a sequence longer than a chunk is a chunk
-    assert sequence_chunks([0, 0, 0, 2], 2) == [(0, 3)]
+def test_group_chunks_pair_groups_of_similar_size(monkeypatch):
+    monkeypatch.setattr(ablate.routes, "_CHUNK_IDS", 8 * 12)  # rows of at most 12 entries a chunk
+    assert group_chunks([3, 6, 5, 1, 2, 40]) == [[5], [1, 2], [0, 4], [3]]  # 40 alone; 6, 5; 3, 2; 1
+    assert group_chunks([4, 4, 4, 4]) == [[0, 1, 2], [3]]
+    assert group_chunks([0, 0]) == [[0, 1]]
 
 
 def test_token_chunks_cover_the_valid_tokens_in_order(monkeypatch):

@@ -126,18 +126,22 @@ class ReplayPolicy(ABC):
         keys = self.route_keys(routes, rows, draws)
         if quotas.per_sequence:
             return segmented_top_n(keys, quotas, draws)
+        if keys is None:
+            keys = draws.uniform()
         if not quotas.per_layer:
             return top_n(keys.reshape(-1), quotas.total, draws.generator).reshape(keys.shape)
         layer_counts = quotas.counts[0].tolist()
         return torch.stack([top_n(keys[:, layer], count, draws.generator) for layer, count in enumerate(layer_counts)], dim=1)
 
     @abstractmethod
-    def route_keys(self, routes: Routes, rows: Tensor, draws: Draws) -> Tensor:
+    def route_keys(self, routes: Routes, rows: Tensor, draws: Draws) -> Tensor | None:
         """``[len(rows), layers]`` float ranking of the valid routes: larger is replayed first.
 
         ``rows`` are the indices of the valid tokens, in order. Any randomness comes from
         ``draws`` (:meth:`Draws.uniform`, :meth:`Draws.gumbel`), which gives each sequence's
         routes their own generator's numbers. Ties are broken uniformly at random by the caller.
+        Return None when every valid route is equally good: the selection is then uniformly
+        random, drawn the cheapest way.
         """
 
     def __repr__(self) -> str:

@@ -44,8 +44,8 @@ class RandomReplay(ReplayPolicy):
     def __init__(self, *, per_layer: bool = False) -> None:
         super().__init__(per_layer=per_layer)
 
-    def route_keys(self, routes: Routes, rows: Tensor, draws: Draws) -> Tensor:
-        return draws.uniform()
+    def route_keys(self, routes: Routes, rows: Tensor, draws: Draws) -> None:
+        return None  # no preference: the tie breaks decide, uniformly at random
 
 
 @register_policy("uniform")
@@ -92,8 +92,8 @@ class UniformReplay(ReplayPolicy):
             cells = allocate_to_sequences(quotas.counts[0], bounds, starts)
         return spread_in_sequences(cells, bounds, offsets, rows.numel())
 
-    def route_keys(self, routes: Routes, rows: Tensor, draws: Draws) -> Tensor:
-        return draws.uniform()  # without sequence boundaries: a simple random sample per layer
+    def route_keys(self, routes: Routes, rows: Tensor, draws: Draws) -> None:
+        return None  # without sequence boundaries: a simple random sample per layer
 
 
 def allocate_to_sequences(layer_quotas: Tensor, bounds: Tensor, starts: Tensor) -> Tensor:
@@ -203,11 +203,11 @@ class FisherReplay(ReplayPolicy):
             return None
         return estimate
 
-    def route_keys(self, routes: Routes, rows: Tensor, draws: Draws) -> Tensor:
+    def route_keys(self, routes: Routes, rows: Tensor, draws: Draws) -> Tensor | None:
         estimate = self.current_scores()
         self.info["fisher_fallback"] = float(estimate is None)
         if estimate is None:
-            return draws.uniform()
+            return None  # random selection
         score = route_scores(estimate, routes)[rows]
         if self.tau == 0:
             return score

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from ablate.budget import Quotas
-from ablate.routes import sequence_chunks
+from ablate.routes import group_chunks
 
 
 def permutation(size: int, generator: torch.Generator | None, device: torch.device) -> Tensor:
@@ -54,11 +54,10 @@ class Draws:
             raise ValueError(f"{len(self.generators)} groups have a generator each: there is no single generator")
         return self.generators[0]
 
-    def _each(self, draw: Callable[[torch.Generator | None, int, torch.device], Tensor], first: int = 0, last: int | None = None) -> Tensor:
-        """``draw(generator, group, device)`` for groups ``first..last-1`` in order, concatenated."""
+    def _each(self, draw: Callable[[torch.Generator | None, int, torch.device], Tensor]) -> Tensor:
+        """``draw(generator, group, device)`` for every group in order, concatenated on the routes' device."""
         parts = []
-        for group in range(first, len(self.generators) if last is None else last):
-            generator = self.generators[group]
+        for group, generator in enumerate(self.generators):
             parts.append(draw(generator, group, self.device if generator is None else generator.device))
         return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(self.device)
 
@@ -78,18 +77,12 @@ class Draws:
         """``[groups]`` int64 in ``[0, layers)``: the rotation of each group's layer quotas."""
         return self._each(lambda g, group, device: torch.randint(self.num_layers, (1,), generator=g, device=device))
 
-    def route_orders(self, first: int, last: int) -> Tensor:
-        """A random order of the valid routes of groups ``first..last-1``, each group shuffled alone.
-
-        Flat indices into those groups' ``[tokens, layers]`` routes, counted from the first
-        group's first route; group ``g``'s routes stay in its own index range.
-        """
-
-        def shuffle(g: torch.Generator | None, group: int, device: torch.device) -> Tensor:
-            order = torch.randperm(self.sizes[group] * self.num_layers, generator=g, device=device)
-            return order.add_((self.bounds[group] - self.bounds[first]) * self.num_layers)
-
-        return self._each(shuffle, first, last)
+    def tie_breaks(self) -> Tensor:
+        """``[valid tokens, layers]`` int32 of 31 random bits, one per valid route."""
+        return self._each(
+            lambda g, group, device: torch.empty((self.sizes[group], self.num_layers), dtype=torch.int32, device=device)
+            .random_(generator=g)
+        )
 
 
 def top_n(keys: Tensor, n: int, generator: torch.Generator | None = None) -> Tensor:
@@ -117,52 +110,75 @@ def top_n(keys: Tensor, n: int, generator: torch.Generator | None = None) -> Ten
     return chosen
 
 
-def descending_sort_keys(keys: Tensor) -> Tensor:
-    """int64 in ``[0, 2^32)`` whose ascending order is the descending order of float32 ``keys``.
+#: Larger than any packed key of :func:`packed_keys`: fills the rows of :func:`segmented_top_n`.
+_ABOVE_ALL = torch.iinfo(torch.int64).max
 
-    The IEEE bit pattern of a float, with the magnitude bits flipped for negatives, orders like
-    the float; NaN ranks below ``-inf`` and ``-0.0`` equals ``0.0``, as in :func:`top_n`.
+
+def packed_keys(keys: Tensor | None, tie_breaks: Tensor) -> Tensor:
+    """int64 keys ``>= 0`` that order like ``keys``, equal keys ordered by the 31 ``tie_breaks`` bits.
+
+    The IEEE bit pattern of a float32, with the magnitude bits flipped for negatives, orders like
+    the float (NaN ranks below ``-inf`` and ``-0.0`` equals ``0.0``, as in :func:`top_n`); it takes
+    the high 32 bits, the tie break the low 31. ``keys=None`` (no preference) ranks by the tie
+    breaks alone. The largest value, that of ``+inf``, stays below :data:`_ABOVE_ALL`.
     """
+    if keys is None:
+        return tie_breaks.long()
     keys = torch.nan_to_num(keys.float(), nan=-torch.inf) + 0.0  # + 0.0 turns -0.0 into 0.0
     bits = keys.view(torch.int32)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return (~ordered).long() + 2**31
+    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long() + 2**31
+    return (ordered << 31) | tie_breaks
 
 
-def segmented_top_n(keys: Tensor, quotas: Quotas, draws: Draws) -> Tensor:
+def segmented_top_n(keys: Tensor | None, quotas: Quotas, draws: Draws) -> Tensor:
     """``[valid tokens, layers]`` mask with exactly ``quotas.counts`` of the largest keys per group.
 
-    ``keys`` are ``[valid tokens, layers]``; a group is a sequence (``counts[s]``) or one layer of a
-    sequence (``counts[s, l]``). Each sequence's routes are first shuffled with its own generator
-    (:meth:`Draws.route_orders`), then one stable sort orders all of them by (group, key): equal
-    keys keep their shuffled order, so ties are broken uniformly at random, and what a sequence
-    gets depends only on its own keys and draws. Whole sequences are sorted a chunk at a time, so
-    memory stays a fraction of the routes whatever the batch.
+    ``keys`` are ``[valid tokens, layers]`` (None: every route equally good); a group is a sequence
+    (``counts[s]``) or one layer of a sequence (``counts[s, l]``). Every route gets 31 random bits
+    from its sequence's generator (:meth:`Draws.tie_breaks`) that order equal keys, so ties are
+    broken uniformly at random, and, were two routes equal in key and bits too, by position.
+
+    Groups are laid out as the rows of a matrix, a chunk of groups of similar size at a time, and
+    one ``topk`` per row finds each group's threshold: row ``g`` holds its own keys, then
+    ``k - counts[g]`` entries above everything, then entries below everything, so the ``k``-th
+    largest of the row (the same ``k`` for every row) is the ``counts[g]``-th largest key of the
+    group. The threshold is a value, and a group's row holds only its own keys whatever else
+    shares the chunk: a sequence gets the same routes in any batch.
     """
-    tokens, layers = keys.shape
-    device = keys.device
-    sort_keys = descending_sort_keys(keys).reshape(-1)
-    chosen = torch.zeros(tokens * layers, dtype=torch.bool, device=device)
-    sizes = torch.tensor(draws.sizes, device=device)
-    # Counting a route as eight expert ids gives chunks of 2^20 routes (the routes of the other
-    # kernels' chunk at top-8), whose handful of int64 sort temporaries stay at tens of MiB.
-    for first, last in sequence_chunks(quotas.bounds, layers * 8):
-        start, end = quotas.bounds[first] * layers, quotas.bounds[last] * layers
-        order = draws.route_orders(first, last)
-        token_group = torch.repeat_interleave(torch.arange(last - first, device=device), sizes[first:last])
-        if quotas.per_layer:
-            group = (token_group[:, None] * layers + torch.arange(layers, device=device)).reshape(-1)
-            group_sizes = sizes[first:last, None].expand(-1, layers).reshape(-1)
-        else:
-            group = token_group.repeat_interleave(layers)
-            group_sizes = sizes[first:last] * layers
-        del token_group
-        ranked, position = torch.sort((group[order] << 32) | sort_keys[start:end][order], stable=True)
-        del group
-        ranked_group = ranked >> 32
-        del ranked
-        group_start = torch.cumsum(group_sizes, 0) - group_sizes
-        rank = torch.arange(end - start, device=device) - group_start[ranked_group]
-        keep = rank < quotas.counts[first:last].reshape(-1)[ranked_group]
-        chosen[start + order[position[keep]]] = True
-    return chosen.reshape(tokens, layers)
+    tokens, layers = sum(draws.sizes), draws.num_layers
+    device = draws.device
+    routes = tokens * layers
+    # One slot past the routes: padding reads a key below everything from it and writes to it.
+    packed = torch.full((routes + 1,), -1, dtype=torch.int64, device=device)
+    packed[:routes] = packed_keys(keys, draws.tie_breaks()).reshape(-1)
+    chosen = torch.zeros(routes + 1, dtype=torch.bool, device=device)
+    counts = quotas.counts.reshape(-1)
+    sequence_start = torch.tensor(quotas.bounds[:-1], device=device)
+    sequence_size = torch.tensor(draws.sizes, device=device)
+    if quotas.per_layer:  # group (s, l): valid tokens of s at layer l, every layers-th route
+        start = (sequence_start[:, None] * layers + torch.arange(layers, device=device)).reshape(-1)
+        size = sequence_size.repeat_interleave(layers)
+        stride = layers
+    else:  # group s: all routes of s, contiguous
+        start, size, stride = sequence_start * layers, sequence_size * layers, 1
+    for chunk in group_chunks(size.tolist()):
+        groups = torch.tensor(chunk, device=device)
+        n, group_size = counts[groups, None], size[groups, None]
+        k = int(n.max())
+        if k == 0:
+            continue
+        lifted = group_size + (k - n)
+        width = int(lifted.max())
+        column = torch.arange(width, device=device)
+        real = column < group_size
+        index = torch.where(real, start[groups, None] + column * stride, routes)
+        rows = packed[index]
+        rows.masked_fill_(~real & (column < lifted), _ABOVE_ALL)
+        threshold = rows.topk(k, dim=1, sorted=False).values.min(1, keepdim=True).values
+        pick = (rows >= threshold) & real
+        surplus = pick.sum(1, keepdim=True) - n
+        if bool((surplus > 0).any()):  # equal packed keys at a threshold: keep the first by position
+            tied = pick & (rows == threshold)
+            pick &= ~tied | (tied.cumsum(1) <= tied.sum(1, keepdim=True) - surplus)
+        chosen.index_put_((index,), pick)  # padding writes only to the spare slot
+    return chosen[:routes].reshape(tokens, layers)
