@@ -172,3 +172,22 @@ def test_every_registered_policy_supports_both_modes():
         for per_sequence in (False, True):
             mask = policy.select(routes, budget, generator=generators([0, 1, 2]) if per_sequence else None, per_sequence=per_sequence)
             assert mask.shape == (routes.num_tokens, routes.num_layers)
+
+
+def test_masks_do_not_depend_on_the_device_of_the_routes():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device on this machine; run on a GPU machine to check CPU/CUDA agreement")
+    routes = sequence_batch([9, 4, 13, 1, 7], 3, 8, 2, seed=5, padding=0.2)
+    cuda = Routes(rollout=routes.rollout.cuda(), valid=routes.valid.cuda(), num_experts=8,
+                  native=routes.native.cuda(), offsets=routes.offsets.cuda())
+    for name in BUDGETED:
+        for per_layer in (False, True):
+            policy = policy_for(name, routes, per_layer)
+            for per_sequence in (False, True):
+                def run(batch):
+                    seeds = generators(range(5)) if per_sequence else torch.Generator().manual_seed(0)
+                    return policy.select(batch, 0.35, generator=seeds, per_sequence=per_sequence)
+
+                on_cuda = run(cuda)
+                assert on_cuda.device.type == "cuda"
+                assert torch.equal(on_cuda.cpu(), run(routes)), (name, per_layer, per_sequence)
