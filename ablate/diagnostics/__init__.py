@@ -1,10 +1,13 @@
 """Diagnostics: the versioned schema, its validator, and the functions that compute the keys."""
 
 from ablate.diagnostics.metrics import (
+    ROUTE_COUNTS,
     expert_load,
     load_metrics,
+    metrics_from_counts,
     mismatch_metrics,
     replay_metrics,
+    route_counts,
     route_diagnostics,
     routing_metrics,
 )
@@ -21,6 +24,7 @@ from ablate.diagnostics.schema import (
 )
 
 __all__ = [
+    "ROUTE_COUNTS",
     "SCHEMA",
     "SCHEMA_VERSION",
     "SECTIONS",
@@ -30,8 +34,10 @@ __all__ = [
     "expert_load",
     "keys_in",
     "load_metrics",
+    "metrics_from_counts",
     "mismatch_metrics",
     "replay_metrics",
+    "route_counts",
     "route_diagnostics",
     "routing_metrics",
     "to_json_schema",
