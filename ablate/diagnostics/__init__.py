@@ -4,9 +4,13 @@ from ablate.diagnostics.metrics import (
     expert_load,
     load_metrics,
     mismatch_metrics,
+    replay_counts,
     replay_metrics,
+    replay_metrics_from_counts,
     route_diagnostics,
+    routing_counts,
     routing_metrics,
+    routing_metrics_from_counts,
 )
 from ablate.diagnostics.schema import (
     SCHEMA,
@@ -31,9 +35,13 @@ __all__ = [
     "keys_in",
     "load_metrics",
     "mismatch_metrics",
+    "replay_counts",
     "replay_metrics",
+    "replay_metrics_from_counts",
     "route_diagnostics",
+    "routing_counts",
     "routing_metrics",
+    "routing_metrics_from_counts",
     "to_json_schema",
     "validate_record",
 ]

@@ -9,6 +9,7 @@ Undefined values (a recall with no mismatched route) are NaN, as the schema allo
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
@@ -17,11 +18,53 @@ from ablate.policies.builtin import route_scores
 from ablate.routes import Routes, token_chunks
 
 NAN = float("nan")
+#: The sums behind the ``replay/`` and ``routing/`` keys (:func:`replay_counts`, :func:`routing_counts`).
+REPLAY_COUNTS = ("valid_routes", "replayed_routes", "unrecorded_routes", "compared_replayed", "overridden_routes",
+                 "fisher_mass", "fisher_total")
+ROUTING_COUNTS = ("compared_routes", "compared_tokens", "compared_slots", "overlap_slots", "mismatched_routes",
+                  "mismatched_tokens", "recalled_routes", "residual_routes")
 
 
 def _ratio(numerator: Tensor | float, denominator: Tensor | float) -> float:
     denominator = float(denominator)
     return float(numerator) / denominator if denominator else NAN
+
+
+def replay_counts(routes: Routes, mask: Tensor, *, fisher_scores: Tensor | None = None) -> dict[str, float]:
+    """The sums behind the ``replay/`` keys, for one replay mask ``[tokens, layers]``.
+
+    Sums add up over micro-batches, passes and ranks; :func:`replay_metrics_from_counts` turns
+    them into the keys. ``compared_replayed`` counts the replayed routes that have a native route
+    to compare with (all of them when ``routes.native`` is given, none otherwise). ``Routes``
+    hold recorded routes only, so ``unrecorded_routes`` is 0 here; a backend that receives
+    unrecorded routes (verl) counts them itself and adds them to the sum.
+    """
+    mask = mask & routes.valid[:, None]
+    replayed = float(mask.sum())
+    counts = dict.fromkeys(REPLAY_COUNTS, 0.0)
+    counts.update(valid_routes=float(routes.num_valid_routes), replayed_routes=replayed)
+    if routes.native_overlap is not None:
+        counts["compared_replayed"] = replayed
+        counts["overridden_routes"] = float(((routes.native_overlap < routes.topk) & mask).sum())
+    if fisher_scores is not None:
+        score = route_scores(fisher_scores, routes)
+        counts["fisher_mass"] = float((score * mask).sum(dtype=torch.float64))
+        counts["fisher_total"] = float(score[routes.valid].sum(dtype=torch.float64))
+    return counts
+
+
+def replay_metrics_from_counts(counts: Mapping[str, float], budget: float, *, fisher_fallback: bool = False) -> dict[str, float]:
+    """``replay/`` keys from :func:`replay_counts` sums (NaN where a denominator is 0)."""
+    return {
+        "replay/budget_requested": float(budget),
+        "replay/budget_realized": _ratio(counts["replayed_routes"], counts["valid_routes"]),
+        "replay/valid_routes": float(counts["valid_routes"]),
+        "replay/replayed_routes": float(counts["replayed_routes"]),
+        "replay/unrecorded_routes": float(counts["unrecorded_routes"]),
+        "replay/override_rate": _ratio(counts["overridden_routes"], counts["compared_replayed"]),
+        "replay/fisher_mass": _ratio(counts["fisher_mass"], counts["fisher_total"]),
+        "replay/fisher_fallback": float(bool(fisher_fallback)),
+    }
 
 
 def replay_metrics(
@@ -33,26 +76,38 @@ def replay_metrics(
     fisher_fallback: bool = False,
 ) -> dict[str, float]:
     """``replay/`` keys for one replay mask ``[tokens, layers]``."""
-    mask = mask & routes.valid[:, None]
-    replayed = int(mask.sum())
-    valid_routes = routes.num_valid_routes
-    metrics = {
-        "replay/budget_requested": float(budget),
-        "replay/budget_realized": replayed / valid_routes,
-        "replay/valid_routes": float(valid_routes),
-        "replay/replayed_routes": float(replayed),
-        "replay/override_rate": NAN,
-        "replay/fisher_mass": NAN,
-        "replay/fisher_fallback": float(bool(fisher_fallback)),
+    counts = replay_counts(routes, mask, fisher_scores=fisher_scores)
+    return replay_metrics_from_counts(counts, budget, fisher_fallback=fisher_fallback)
+
+
+def routing_counts(routes: Routes, mask: Tensor) -> dict[str, float]:
+    """The sums behind the ``routing/`` keys; all 0 without native routes (nothing compared)."""
+    overlap = routes.native_overlap
+    if overlap is None:
+        return dict.fromkeys(ROUTING_COUNTS, 0.0)
+    valid = routes.valid[:, None]
+    mismatched = (overlap < routes.topk) & valid
+    return {
+        "compared_routes": float(routes.num_valid_routes),
+        "compared_tokens": float(routes.num_valid_tokens),
+        "compared_slots": float(routes.num_valid_routes * routes.topk),
+        "overlap_slots": float((overlap * valid).sum(dtype=torch.float64)),
+        "mismatched_routes": float(mismatched.sum()),
+        "mismatched_tokens": float(mismatched.any(1).sum()),
+        "recalled_routes": float((mismatched & mask).sum()),
+        "residual_routes": float((mismatched & ~mask).sum()),
     }
-    if routes.native_overlap is not None:
-        overridden = (routes.native_overlap < routes.topk) & mask
-        metrics["replay/override_rate"] = _ratio(overridden.sum(), replayed)
-    if fisher_scores is not None:
-        score = route_scores(fisher_scores, routes)
-        total = score[routes.valid].sum()
-        metrics["replay/fisher_mass"] = _ratio((score * mask).sum(), total)
-    return metrics
+
+
+def routing_metrics_from_counts(counts: Mapping[str, float]) -> dict[str, float]:
+    """``routing/`` keys from :func:`routing_counts` sums: rollout versus native routes."""
+    return {
+        "routing/route_mismatch_rate": _ratio(counts["mismatched_routes"], counts["compared_routes"]),
+        "routing/token_mismatch_rate": _ratio(counts["mismatched_tokens"], counts["compared_tokens"]),
+        "routing/topk_overlap": _ratio(counts["overlap_slots"], counts["compared_slots"]),
+        "routing/mismatch_recall": _ratio(counts["recalled_routes"], counts["mismatched_routes"]),
+        "routing/residual_mismatch_rate": _ratio(counts["residual_routes"], counts["compared_routes"]),
+    }
 
 
 def routing_metrics(routes: Routes, mask: Tensor) -> dict[str, float]:
@@ -60,20 +115,7 @@ def routing_metrics(routes: Routes, mask: Tensor) -> dict[str, float]:
 
     All NaN when the routes carry no native routes (nothing to compare against).
     """
-    keys = ("route_mismatch_rate", "token_mismatch_rate", "topk_overlap", "mismatch_recall", "residual_mismatch_rate")
-    overlap = routes.native_overlap
-    if overlap is None:
-        return {f"routing/{key}": NAN for key in keys}
-    valid = routes.valid[:, None]
-    mismatched = (overlap < routes.topk) & valid
-    num_mismatched = mismatched.sum()
-    return {
-        "routing/route_mismatch_rate": _ratio(num_mismatched, routes.num_valid_routes),
-        "routing/token_mismatch_rate": _ratio(mismatched.any(1).sum(), routes.num_valid_tokens),
-        "routing/topk_overlap": _ratio((overlap * valid).sum(dtype=torch.float64), routes.num_valid_routes * routes.topk),
-        "routing/mismatch_recall": _ratio((mismatched & mask).sum(), num_mismatched),
-        "routing/residual_mismatch_rate": _ratio((mismatched & ~mask).sum(), routes.num_valid_routes),
-    }
+    return routing_metrics_from_counts(routing_counts(routes, mask))
 
 
 def mismatch_metrics(

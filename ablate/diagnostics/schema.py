@@ -1,4 +1,4 @@
-"""The versioned diagnostics schema (DESIGN.md section 4): one source for every key.
+"""The versioned diagnostics schema (docs/design.md section 4): one source for every key.
 
 Each key has a kind that fixes its type and range, a unit and a meaning. Backends validate every
 record against it: in tests an unknown key or an out-of-range value raises, in production it is a
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
 JSON_SCHEMA_PATH = Path(__file__).with_name("schema.json")
 
 Kind = Literal["fraction", "count", "nonnegative", "real", "flag"]
@@ -55,6 +55,9 @@ _KEYS = [
     Key("replay/budget_realized", "fraction", "fraction of valid routes", "replayed routes / valid routes"),
     Key("replay/valid_routes", "count", "routes", "N: valid tokens times MoE layers"),
     Key("replay/replayed_routes", "count", "routes", "n: routes whose rollout route was replayed"),
+    Key("replay/unrecorded_routes", "count", "routes",
+        "routes the rollout engine did not record (multi-turn gaps, the final token's placeholder): "
+        "not replayable and not counted in valid_routes"),
     Key("replay/override_rate", "fraction", "fraction of replayed routes",
         "share of replayed routes whose rollout route differs from the native route: how much replay changed", True),
     Key("replay/fisher_mass", "fraction", "fraction of Fisher score",

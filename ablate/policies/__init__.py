@@ -10,6 +10,7 @@ from ablate.policies.builtin import (
     UniformReplay,
     route_scores,
 )
+from ablate.policies.spec import PolicySpec
 
 __all__ = [
     "FisherReplay",
@@ -17,6 +18,7 @@ __all__ = [
     "MismatchReplay",
     "NoReplay",
     "PolicyError",
+    "PolicySpec",
     "RandomReplay",
     "ReplayPolicy",
     "UniformReplay",
