@@ -18,10 +18,18 @@ The tracker sums ``g2`` and token counts within a step, turns them into a per-st
 :meth:`FisherTracker.step`, and smooths the means across steps with an exponential moving
 average. A policy reads the estimate of the *previous* step: the mask must exist before the
 training forward pass that produces this step's gradients.
+
+A non-finite per-token square (an overflow, a NaN from a broken backward) would make its
+(layer, expert) entry NaN for good, and the ``fisher`` policy would then rank by noise. The
+tracker skips such contributions, counts them (:attr:`FisherTracker.nonfinite_last_step`, logged
+as ``replay/fisher_nonfinite``) and warns when a step had any.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import numbers
 from typing import Literal
 
 import torch
@@ -31,6 +39,25 @@ Estimator = Literal["router_logits", "expert_outputs", "expert_params"]
 Normalization = Literal["none", "layer", "global"]
 ESTIMATORS: tuple[str, ...] = ("router_logits", "expert_outputs", "expert_params")
 NORMALIZATIONS: tuple[str, ...] = ("none", "layer", "global")
+
+log = logging.getLogger(__name__)
+
+
+class FisherError(ValueError):
+    """A Fisher tracker setting or input outside what the estimate can use."""
+
+
+def check_tracker_settings(*, decay: object = 0.9, normalize: object = "none") -> tuple[float, str]:
+    """``(decay, normalize)`` checked, or a :class:`FisherError` naming the bad value.
+
+    Call it wherever the settings arrive (a config, a checkpoint) so a bad value fails before any
+    work starts.
+    """
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or math.isnan(decay) or not 0.0 <= decay < 1.0:
+        raise FisherError(f"decay={decay!r} in the Fisher tracker: expected an EMA decay in [0, 1)")
+    if normalize not in NORMALIZATIONS:
+        raise FisherError(f"normalize={normalize!r} in the Fisher tracker: expected one of {', '.join(NORMALIZATIONS)}")
+    return float(decay), str(normalize)
 
 
 class FisherTracker:
@@ -54,18 +81,20 @@ class FisherTracker:
         normalize: Normalization = "none",
         device: torch.device | str = "cpu",
     ) -> None:
-        if not 0.0 <= decay < 1.0:
-            raise ValueError(f"decay={decay!r} in the Fisher tracker: expected a value in [0, 1)")
-        if normalize not in NORMALIZATIONS:
-            raise ValueError(f"normalize={normalize!r} in the Fisher tracker: expected one of {', '.join(NORMALIZATIONS)}")
-        self.decay = float(decay)
-        self.normalize = normalize
+        for name, value in (("num_layers", num_layers), ("num_experts", num_experts)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise FisherError(f"{name}={value!r} in the Fisher tracker: expected a positive integer")
+        self.decay, self.normalize = check_tracker_settings(decay=decay, normalize=normalize)
         shape = (num_layers, num_experts)
         self._sums = torch.zeros(shape, dtype=torch.float64, device=device)
         self._counts = torch.zeros(shape, dtype=torch.float64, device=device)
         self._ema = torch.zeros(shape, dtype=torch.float64, device=device)
         self._updates = torch.zeros(shape, dtype=torch.long, device=device)
+        self._nonfinite = torch.zeros((), dtype=torch.float64, device=device)
         self.steps = 0
+        #: Non-finite contributions skipped in the last closed step, and since the tracker began.
+        self.nonfinite_last_step = 0
+        self.nonfinite_total = 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -84,16 +113,28 @@ class FisherTracker:
             weights: broadcastable to ``sq_grads``: which tokens count for which (layer, expert),
                 e.g. ``valid[:, None, None]`` for router logits, or the routed-to indicator
                 ``[tokens, layers, experts]`` for expert estimators. Non-negative; 1 per token.
+
+        A contribution (an entry with a nonzero weight) whose square is NaN or infinite is skipped
+        and counted; its token does not count for that (layer, expert) either.
         """
         if sq_grads.dim() != 3 or tuple(sq_grads.shape[1:]) != self.shape:
-            raise ValueError(
+            raise FisherError(
                 f"sq_grads has shape {tuple(sq_grads.shape)}: expected [tokens, layers, experts] with "
                 f"[layers, experts]={self.shape}"
             )
         weights = weights.to(device=self._sums.device, dtype=torch.float64)
+        if not bool((torch.isfinite(weights) & (weights >= 0)).all()):
+            raise FisherError("weights of the Fisher tracker hold a negative or non-finite value: expected counts >= 0")
         sq = sq_grads.detach().to(device=self._sums.device, dtype=torch.float64)
+        weights = weights.expand_as(sq)
+        broken = ~torch.isfinite(sq)
+        if bool(broken.any()):  # the rare path: full-size masked copies only when needed
+            sq = sq.masked_fill(broken, 0.0)  # also where the weight is 0: NaN * 0 is NaN
+            broken &= weights != 0
+            self._nonfinite += broken.sum()
+            weights = weights.masked_fill(broken, 0.0)
         self._sums += (sq * weights).sum(0)
-        self._counts += weights.expand_as(sq).sum(0)
+        self._counts += weights.sum(0)
 
     def step(self) -> None:
         """Close the current step: fold its per-token mean into the EMA, then reset the sums.
@@ -101,6 +142,14 @@ class FisherTracker:
         Entries that saw no token this step keep their previous estimate instead of decaying
         towards zero: an expert nobody routed to has no new evidence, not evidence of zero.
         """
+        self.nonfinite_last_step = int(self._nonfinite)
+        self.nonfinite_total += self.nonfinite_last_step
+        self._nonfinite.zero_()
+        if self.nonfinite_last_step:
+            log.warning(
+                "Fisher tracker step %d skipped %d non-finite per-token squared gradients (%d so far): the estimate "
+                "uses the finite ones", self.steps, self.nonfinite_last_step, self.nonfinite_total,
+            )
         seen = self._counts > 0
         mean = torch.where(seen, self._sums / self._counts.clamp(min=1), torch.zeros_like(self._sums))
         self._ema = torch.where(seen, self.decay * self._ema + (1 - self.decay) * mean, self._ema)
@@ -132,16 +181,17 @@ class FisherTracker:
             "counts": self._counts.clone(),
             "ema": self._ema.clone(),
             "updates": self._updates.clone(),
+            "nonfinite_total": self.nonfinite_total,
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         ema = state["ema"]
         assert isinstance(ema, Tensor)
         if tuple(ema.shape) != self.shape:
-            raise ValueError(f"Fisher state has shape {tuple(ema.shape)}: expected [layers, experts]={self.shape}")
-        self.decay = float(state["decay"])  # type: ignore[arg-type]
-        self.normalize = state["normalize"]  # type: ignore[assignment]
+            raise FisherError(f"Fisher state has shape {tuple(ema.shape)}: expected [layers, experts]={self.shape}")
+        self.decay, self.normalize = check_tracker_settings(decay=state["decay"], normalize=state["normalize"])
         self.steps = int(state["steps"])  # type: ignore[arg-type]
+        self.nonfinite_total = int(state.get("nonfinite_total", 0))  # type: ignore[arg-type]
         device = self._ema.device
         self._sums = state["sums"].to(device)  # type: ignore[union-attr]
         self._counts = state["counts"].to(device)  # type: ignore[union-attr]

@@ -1,8 +1,10 @@
 """One batch of routing decisions, validated once so every policy and metric can trust it.
 
-Layout (DESIGN.md section 2): a *route* is one (token, MoE layer) decision, the set of top-k
+Layout (docs/design.md section 2): a *route* is one (token, MoE layer) decision, the set of top-k
 experts chosen for that token at that layer. Tokens are flattened: a verl batch
-``[batch, seq, layers, topk]`` becomes ``[batch * seq, layers, topk]`` with a valid-token mask.
+``[batch, seq, layers, topk]`` becomes ``[batch * seq, layers, topk]`` with a valid-token mask,
+and optional sequence boundaries ``offsets`` (verl's jagged layout) say which tokens form one
+sequence, for per-sequence budgets and for the ``uniform`` policy's stratification.
 """
 
 from __future__ import annotations
@@ -30,9 +32,15 @@ class Routes:
         num_experts: experts per MoE layer; every id on a valid token lies in ``[0, num_experts)``.
         native: optional ``[tokens, layers, topk]`` ids the training router picks by itself.
         router_logits: optional ``[tokens, layers, num_experts]`` training router logits.
+        offsets: optional ``[sequences + 1]`` int64 cumulative token boundaries, verl's jagged
+            layout: sequence ``s`` is tokens ``offsets[s]:offsets[s + 1]``. It starts at 0, never
+            decreases and ends at ``tokens``. Needed by ``select(..., per_sequence=True)``; the
+            ``uniform`` policy uses it to spread its quota over sequences and positions.
 
-    Ids on invalid tokens are never read (verl fills padding with zeros, which would otherwise
-    look like duplicate experts), so they are not validated either.
+    ``valid`` must be a bool tensor or an integer tensor of 0s and 1s: a float mask (0.3, NaN)
+    has no single meaning, so it is rejected rather than cast. Ids on invalid tokens are never
+    read (verl fills padding with zeros, which would otherwise look like duplicate experts), so
+    they are not validated either.
     """
 
     rollout: Tensor
@@ -40,17 +48,12 @@ class Routes:
     num_experts: int
     native: Tensor | None = None
     router_logits: Tensor | None = None
+    offsets: Tensor | None = None
 
     def __post_init__(self) -> None:
         _check_route_tensor("rollout", self.rollout)
         tokens, layers, topk = self.rollout.shape
-        if self.valid.dim() != 1 or self.valid.shape[0] != tokens:
-            raise RoutesError(
-                f"valid has shape {tuple(self.valid.shape)}: expected [tokens]=[{tokens}] "
-                f"matching rollout {tuple(self.rollout.shape)}"
-            )
-        if self.valid.dtype != torch.bool:
-            object.__setattr__(self, "valid", self.valid.bool())
+        object.__setattr__(self, "valid", _checked_valid("valid", self.valid, (tokens,), f"matching rollout {tuple(self.rollout.shape)}"))
         if isinstance(self.num_experts, bool) or int(self.num_experts) != self.num_experts:
             raise RoutesError(f"num_experts={self.num_experts!r}: expected a positive integer")
         object.__setattr__(self, "num_experts", int(self.num_experts))
@@ -76,7 +79,9 @@ class Routes:
                 raise RoutesError(
                     f"router_logits has shape {tuple(self.router_logits.shape)}: expected [tokens, layers, num_experts]={expected}"
                 )
-        for name in ("valid", "native", "router_logits"):
+        if self.offsets is not None:
+            object.__setattr__(self, "offsets", _checked_offsets(self.offsets, tokens))
+        for name in ("valid", "native", "router_logits", "offsets"):
             tensor = getattr(self, name)
             if tensor is not None and tensor.device != self.rollout.device:
                 raise RoutesError(f"{name} is on {tensor.device} but rollout is on {self.rollout.device}: keep one device")
@@ -103,8 +108,25 @@ class Routes:
 
     @property
     def num_valid_routes(self) -> int:
-        """``N`` of DESIGN.md: valid tokens times MoE layers."""
+        """``N`` of docs/design.md section 2: valid tokens times MoE layers."""
         return self.num_valid_tokens * self.num_layers
+
+    @property
+    def num_sequences(self) -> int | None:
+        """Number of sequences given by ``offsets``; None without sequence boundaries."""
+        return None if self.offsets is None else self.offsets.shape[0] - 1
+
+    @cached_property
+    def valid_offsets(self) -> Tensor | None:
+        """``[sequences + 1]`` boundaries of each sequence among the *valid* tokens (None without offsets).
+
+        Sequence ``s`` owns valid tokens ``valid_offsets[s]:valid_offsets[s + 1]`` of
+        ``valid.nonzero()``, i.e. ``valid_offsets.diff()`` counts each sequence's valid tokens.
+        """
+        if self.offsets is None:
+            return None
+        before = torch.cat([self.valid.new_zeros(1, dtype=torch.int64), self.valid.cumsum(0)])
+        return before[self.offsets]
 
     @cached_property
     def native_overlap(self) -> Tensor | None:
@@ -127,12 +149,13 @@ class Routes:
         num_experts: int | None = None,
         native: Tensor | None = None,
     ) -> Routes:
-        """Build routes from verl's layout.
+        """Build routes from verl's layout; each row of the batch is one sequence (``offsets``).
 
         Args:
             routed_experts: ``[batch, seq, layers, topk]`` (verl's batch key ``routed_experts``,
                 int16, left-padded).
-            mask: ``[batch, seq]`` attention or response mask; nonzero marks a valid token.
+            mask: ``[batch, seq]`` attention or response mask, bool or 0/1 integers; 1 marks a
+                valid token.
             num_experts: experts per layer. When omitted it is inferred as ``max id + 1`` over valid
                 tokens, which cannot catch out-of-range ids: pass it whenever it is known.
             native: optional native routes in the same ``[batch, seq, layers, topk]`` layout.
@@ -144,14 +167,15 @@ class Routes:
         batch, seq, layers, topk = routed_experts.shape
         if tuple(mask.shape) != (batch, seq):
             raise RoutesError(f"mask has shape {tuple(mask.shape)}: expected [batch, seq]=[{batch}, {seq}]")
-        valid = mask.reshape(-1).bool()
+        valid = _checked_valid("mask", mask, (batch, seq), "matching routed_experts").reshape(-1)
         rollout = routed_experts.reshape(batch * seq, layers, topk)
         if num_experts is None:
             if not bool(valid.any()):
                 raise RoutesError(f"the batch has no valid token (mask is all zero over {batch * seq} tokens)")
             num_experts = int(rollout[valid].max()) + 1
         flat_native = None if native is None else native.reshape(batch * seq, layers, topk)
-        return cls(rollout=rollout, valid=valid, num_experts=num_experts, native=flat_native)
+        offsets = torch.arange(0, batch * seq + 1, max(seq, 1), device=rollout.device)
+        return cls(rollout=rollout, valid=valid, num_experts=num_experts, native=flat_native, offsets=offsets)
 
     def to_verl(self, batch: int, seq: int, dtype: torch.dtype = torch.int16) -> Tensor:
         """Back to ``[batch, seq, layers, topk]``; invalid tokens hold zeros, as verl pads them."""
@@ -175,6 +199,48 @@ def _check_route_tensor(name: str, tensor: Tensor) -> None:
         raise RoutesError(f"{name} has shape {tuple(tensor.shape)}: expected rank 3 [tokens, layers, topk]")
     if tensor.dtype not in _INTEGER_DTYPES:
         raise RoutesError(f"{name} has dtype {tensor.dtype}: expected an integer dtype (int16 or wider)")
+
+
+def _checked_valid(name: str, valid: object, shape: tuple[int, ...], context: str) -> Tensor:
+    """``valid`` as a bool tensor, or an error: only bools and the integers 0 and 1 have one meaning."""
+    if not isinstance(valid, Tensor):
+        raise RoutesError(f"{name} is a {type(valid).__name__}: expected a torch.Tensor of bool or 0/1 integers")
+    if tuple(valid.shape) != shape:
+        raise RoutesError(f"{name} has shape {tuple(valid.shape)}: expected {list(shape)} {context}")
+    if valid.dtype == torch.bool:
+        return valid
+    if valid.dtype.is_floating_point or valid.dtype.is_complex:
+        raise RoutesError(
+            f"{name} has dtype {valid.dtype}: expected bool or 0/1 integers (a float mask such as 0.3 or NaN "
+            f"has no single meaning; convert it explicitly, e.g. {name} > 0)"
+        )
+    bad = (valid != 0) & (valid != 1)
+    if bool(bad.any()):
+        index = tuple(bad.nonzero()[0].tolist())
+        raise RoutesError(f"{name} holds {int(valid[index])} at {list(index)}: expected bool or 0/1 integers")
+    return valid.bool()
+
+
+def _checked_offsets(offsets: object, tokens: int) -> Tensor:
+    """Sequence boundaries as int64, or an error naming the first broken rule."""
+    if not isinstance(offsets, Tensor):
+        raise RoutesError(f"offsets is a {type(offsets).__name__}: expected a torch.Tensor [sequences + 1] of int64")
+    if offsets.dim() != 1 or offsets.shape[0] < 2:
+        raise RoutesError(f"offsets has shape {tuple(offsets.shape)}: expected [sequences + 1] with at least one sequence")
+    if offsets.dtype not in _INTEGER_DTYPES:
+        raise RoutesError(f"offsets has dtype {offsets.dtype}: expected integer token boundaries (int64)")
+    offsets = offsets.long()
+    first, last = int(offsets[0]), int(offsets[-1])
+    if first != 0 or last != tokens:
+        raise RoutesError(f"offsets run from {first} to {last}: expected cumulative boundaries from 0 to tokens={tokens}")
+    steps = offsets.diff()
+    if bool((steps < 0).any()):
+        s = int((steps < 0).nonzero()[0])
+        raise RoutesError(
+            f"offsets decrease at sequence {s}: offsets[{s}]={int(offsets[s])} > offsets[{s + 1}]={int(offsets[s + 1])}; "
+            "expected non-decreasing cumulative boundaries"
+        )
+    return offsets
 
 
 def _check_ids(name: str, ids: Tensor, valid: Tensor, num_experts: int) -> None:
@@ -250,3 +316,22 @@ def _overlap_chunk(a: Tensor, b: Tensor) -> Tensor:
     found = pairs.view(torch.int64).squeeze(-1) != 0
     packed = found.view(torch.int64).squeeze(-1)
     return ((packed * 0x0101010101010101) >> 56).to(torch.int32)
+
+
+def group_chunks(sizes: list[int]) -> list[list[int]]:
+    """Groups of entries (by their ``sizes``) in chunks of similar size, for kernels that pad them into rows.
+
+    Largest first; a chunk takes groups at least half as large as its first, so padding at most
+    doubles the entries, and holds about ``_CHUNK_IDS / 8`` entries (an int64 entry of a row and
+    its index weigh as much as eight int16 expert ids). A group larger than that is a chunk alone.
+    """
+    limit = max(1, _CHUNK_IDS // 8)
+    chunks: list[list[int]] = []
+    for group in sorted(range(len(sizes)), key=lambda g: -sizes[g]):
+        if chunks:
+            first = sizes[chunks[-1][0]]
+            if (len(chunks[-1]) + 1) * first <= limit and 2 * sizes[group] >= first:
+                chunks[-1].append(group)
+                continue
+        chunks.append([group])
+    return chunks

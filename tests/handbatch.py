@@ -30,3 +30,24 @@ FISHER = torch.tensor([[4.0, 1.0, 0.0, 0.0], [0.0, 0.0, 2.0, 1.0]])
 
 def hand_routes(native: bool = True) -> Routes:
     return Routes(rollout=ROLLOUT, valid=VALID, num_experts=4, native=NATIVE if native else None)
+
+
+def sequence_batch(lengths, layers, experts, topk, seed, *, padding=0.0, native=True) -> Routes:
+    """Sequences of the given lengths one after another (``offsets``), with distinct ids per route.
+
+    A ``padding`` share of tokens is invalid and holds verl's zero padding; native routes keep
+    each rollout route or replace it with a fresh one, half the time each.
+    """
+    g = torch.Generator().manual_seed(seed)
+    tokens = sum(lengths)
+    rollout = torch.rand(tokens, layers, experts, generator=g).argsort(-1)[..., :topk]
+    fresh = torch.rand(tokens, layers, experts, generator=g).argsort(-1)[..., :topk]
+    other = torch.where(torch.rand(tokens, layers, 1, generator=g) < 0.5, rollout.flip(-1), fresh)
+    valid = torch.rand(tokens, generator=g) >= padding
+    if not valid.any():
+        valid[0] = True
+    rollout[~valid], other[~valid] = 0, 0
+    offsets = torch.tensor([0, *lengths]).cumsum(0)
+    return Routes(
+        rollout=rollout.short(), valid=valid, num_experts=experts, native=other.short() if native else None, offsets=offsets
+    )

@@ -11,7 +11,7 @@ import ablate.routes
 from ablate import Routes, RoutesError, get_policy, replay_count
 from ablate.diagnostics import expert_load, route_diagnostics
 from ablate.policies.builtin import route_scores
-from ablate.routes import overlap_count, token_chunks
+from ablate.routes import group_chunks, overlap_count, token_chunks
 
 
 def reference_overlap(a, b):
@@ -124,6 +124,36 @@ def test_masks_and_diagnostics_do_not_depend_on_chunking(name, settings, all_val
     assert chunked.keys() == whole.keys()
     for key, value in whole.items():
         assert chunked[key] == pytest.approx(value, nan_ok=True, rel=1e-6), key
+
+
+@pytest.mark.parametrize("name, settings", [
+    ("random", {}), ("random", {"per_layer": True}), ("uniform", {}), ("mismatch", {"per_layer": True}),
+    ("fisher", {"scores": torch.rand(3, 100, generator=torch.Generator().manual_seed(0)).round(decimals=1)}),
+])
+@pytest.mark.parametrize("chunk_ids", [1, 8 * 60, 10**9], ids=["1-group", "some-groups", "one-chunk"])
+def test_per_sequence_masks_do_not_depend_on_chunking(name, settings, chunk_ids, monkeypatch):
+    full = random_batch(45, 3, 100, 8, seed=12)
+    # Ragged sequences, one of them empty: 7 + 12 + 0 + 1 + 25 = 45 tokens.
+    routes = Routes(rollout=full.rollout, valid=full.valid, num_experts=100, native=full.native,
+                    offsets=torch.tensor([0, 7, 19, 19, 20, 45]))
+    policy = get_policy(name, **settings)
+
+    def run():
+        generators = [torch.Generator().manual_seed(s) for s in range(5)]
+        return policy.select(routes, 0.3, generator=generators, per_sequence=True)
+
+    whole = run()
+    monkeypatch.setattr(ablate.routes, "_CHUNK_IDS", chunk_ids)
+    assert len(group_chunks(routes.valid_offsets.diff().tolist())) > 1 or chunk_ids == 10**9
+    assert torch.equal(whole, run())
+    assert int(whole.sum()) == replay_count(0.3, routes, per_sequence=True)
+
+
+def test_group_chunks_pair_groups_of_similar_size(monkeypatch):
+    monkeypatch.setattr(ablate.routes, "_CHUNK_IDS", 8 * 12)  # rows of at most 12 entries a chunk
+    assert group_chunks([3, 6, 5, 1, 2, 40]) == [[5], [1, 2], [0, 4], [3]]  # 40 alone; 6, 5; 3, 2; 1
+    assert group_chunks([4, 4, 4, 4]) == [[0, 1, 2], [3]]
+    assert group_chunks([0, 0]) == [[0, 1]]
 
 
 def test_token_chunks_cover_the_valid_tokens_in_order(monkeypatch):

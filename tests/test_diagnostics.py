@@ -5,23 +5,27 @@ import math
 
 import pytest
 import torch
-from handbatch import FISHER, hand_routes
+from handbatch import FISHER, hand_routes, sequence_batch
 
+from ablate import Routes
 from ablate.diagnostics import (
+    ROUTE_COUNTS,
     SCHEMA,
     SchemaError,
     check_record,
     expert_load,
     keys_in,
     load_metrics,
+    metrics_from_counts,
     mismatch_metrics,
     replay_metrics,
+    route_counts,
     route_diagnostics,
     routing_metrics,
     to_json_schema,
     validate_record,
 )
-from ablate.diagnostics.schema import JSON_SCHEMA_PATH
+from ablate.diagnostics.schema import JSON_SCHEMA_PATH, SCHEMA_VERSION
 
 # Replay (t0, l1) and (t1, l0): exactly the two mismatched routes.
 MISMATCH_MASK = torch.tensor([[False, True], [True, False], [False, False], [False, False]])
@@ -46,14 +50,44 @@ def test_replay_metrics_by_hand():
     assert m["replay/valid_routes"] == 6 and m["replay/replayed_routes"] == 3
     assert m["replay/budget_realized"] == 0.5 and m["replay/budget_requested"] == 0.5
     assert m["replay/override_rate"] == pytest.approx(2 / 3)  # t0l0 matched; t1l0, t0l1 mismatched
+    # Effective budget: the 2 overridden routes of 6 valid ones, budget_realized x override_rate.
+    assert m["replay/effective_budget"] == pytest.approx(2 / 6)
+    assert m["replay/effective_budget"] == pytest.approx(m["replay/budget_realized"] * m["replay/override_rate"])
     assert m["replay/fisher_mass"] == pytest.approx((5 + 3 + 4) / 15)
     assert m["replay/fisher_fallback"] == 0.0
-    full = replay_metrics(hand_routes(), torch.ones(4, 2, dtype=torch.bool), 1.0)
+    assert math.isnan(m["replay/fisher_nonfinite"])  # no tracker given
+    full = replay_metrics(hand_routes(), torch.ones(4, 2, dtype=torch.bool), 1.0, fisher_nonfinite=3)
     assert full["replay/replayed_routes"] == 6  # the padding token never counts
     assert full["replay/override_rate"] == pytest.approx(2 / 6)
+    assert full["replay/effective_budget"] == pytest.approx(2 / 6)  # full replay changes the 2 mismatched routes
+    assert full["replay/fisher_nonfinite"] == 3.0
     assert math.isnan(full["replay/fisher_mass"])
     nothing = replay_metrics(hand_routes(), torch.zeros(4, 2, dtype=torch.bool), 0.0)
     assert math.isnan(nothing["replay/override_rate"])  # undefined: no replayed route
+    assert nothing["replay/effective_budget"] == 0.0  # but nothing was changed: defined, and 0
+    # Replaying only matched routes spends budget and changes nothing.
+    matched = torch.tensor([[True, False], [False, True], [True, True], [False, False]])
+    idle = replay_metrics(hand_routes(), matched, 4 / 6)
+    assert idle["replay/budget_realized"] == pytest.approx(4 / 6) and idle["replay/effective_budget"] == 0.0
+    assert math.isnan(replay_metrics(hand_routes(native=False), FISHER_MASK, 0.5)["replay/effective_budget"])
+
+
+def test_counts_add_up_over_micro_batches_to_the_metrics_of_the_whole_batch():
+    # verl sums the counts of its micro-batches and ranks, then computes the keys once.
+    routes = sequence_batch([5, 3, 6, 4], 3, 8, 2, seed=2, padding=0.2)
+    scores = torch.rand(3, 8, generator=torch.Generator().manual_seed(0))
+    mask = torch.rand(routes.num_tokens, 3, generator=torch.Generator().manual_seed(1)) < 0.4
+    whole = metrics_from_counts(route_counts(routes, mask, fisher_scores=scores), 0.4, routes.topk)
+    summed = dict.fromkeys(ROUTE_COUNTS, 0.0)
+    for rows in (slice(0, 8), slice(8, 18)):  # sequences 0-1, then 2-3
+        part = Routes(rollout=routes.rollout[rows], valid=routes.valid[rows], num_experts=8, native=routes.native[rows])
+        for key, value in route_counts(part, mask[rows], fisher_scores=scores).items():
+            summed[key] += value
+    assert metrics_from_counts(summed, 0.4, routes.topk) == pytest.approx(whole, nan_ok=True)
+    # Micro-batches whose native routes are not known yet count for the budget only.
+    flat = Routes(rollout=routes.rollout[:8], valid=routes.valid[:8], num_experts=8)
+    partial = route_counts(flat, mask[:8])
+    assert partial["compared_routes"] == 0 and partial["replayed_routes"] == float(mask[:8][routes.valid[:8]].sum())
 
 
 def test_load_metrics_by_hand():
@@ -124,7 +158,12 @@ def test_validator_names_bad_keys_and_values():
         validate_record({"train/reward": "high"})
     assert check_record({"routing/mismatch_recall": float("nan")}) == []  # nullable
     assert check_record({"train/reward": 1.0}, require=("drift",))[0].startswith("section drift/ is missing")
-    assert validate_record({"bogus": 1}, strict=False) == ["unknown diagnostics key 'bogus' (schema 1.1)"]
+    assert validate_record({"bogus": 1}, strict=False) == [f"unknown diagnostics key 'bogus' (schema {SCHEMA_VERSION})"]
+    with pytest.raises(SchemaError, match=r"replay/effective_budget=1.5: expected a fraction"):
+        validate_record({"replay/effective_budget": 1.5})
+    with pytest.raises(SchemaError, match=r"replay/fisher_nonfinite=-1.0: expected a count"):
+        validate_record({"replay/fisher_nonfinite": -1.0})
+    assert check_record({"replay/effective_budget": float("nan"), "replay/fisher_nonfinite": float("nan")}) == []
 
 
 def test_json_schema_file_is_in_sync():

@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from handbatch import FISHER, VALID, hand_routes
+from handbatch import FISHER, VALID, hand_routes, sequence_batch
 
 from ablate import BudgetError, PolicyError, ReplayPolicy, Routes, get_policy, layer_quotas, register_policy, replay_count
 from ablate.policies import available_policies
@@ -96,15 +96,19 @@ def test_fisher_temperature_interpolates_to_random():
     assert bool((hot[:3] > 0).all())
 
 
-def test_uniform_is_systematic_sampling_with_seeded_offsets():
-    routes = hand_routes()
-    offsets = torch.rand(2, generator=gen(5)).double()  # the draws the policy makes with this seed
-    mask = get_policy("uniform").select(routes, 0.5, generator=gen(5))
-    # quotas [1, 2] over 3 valid tokens: layer 0 at floor(u0 * 3); layer 1 at floor((u1 + i) * 1.5), i = 0, 1.
-    expected = torch.zeros(4, 2, dtype=torch.bool)
-    expected[int(offsets[0] * 3), 0] = True
-    expected[int(offsets[1] * 1.5), 1] = True
-    expected[int((offsets[1] + 1) * 1.5), 1] = True
+def test_uniform_stratifies_by_sequence_with_an_offset_per_sequence_and_layer():
+    # 3 sequences of 4 valid tokens, 2 layers, b = 0.25: n = 6, quotas [3, 3]. The spacing V / q = 4
+    # equals the sequence length, so each sequence gets one route per layer, at valid position
+    # floor(u[s, l] * 4) with its own offset u[s, l]: never one position for every sequence.
+    routes = sequence_batch([4, 4, 4], 2, 5, 2, seed=0)
+    g = gen(5)
+    torch.rand((1, 2), generator=g, dtype=torch.float64)  # the per-layer starts of the sequence allocation
+    offsets = torch.rand((1, 3, 2), generator=g, dtype=torch.float64)[0]  # then one offset per (sequence, layer)
+    mask = get_policy("uniform").select(routes, 0.25, generator=gen(5))
+    expected = torch.zeros(12, 2, dtype=torch.bool)
+    for sequence in range(3):
+        for layer in range(2):
+            expected[4 * sequence + int(offsets[sequence, layer] * 4), layer] = True
     assert torch.equal(mask, expected)
 
 
@@ -128,7 +132,7 @@ def test_registry_errors_and_user_policies():
         def __init__(self, *, per_layer: bool = False):
             super().__init__(per_layer=per_layer)
 
-        def route_keys(self, routes, rows, generator):
+        def route_keys(self, routes, rows, draws):
             return torch.arange(routes.num_layers, dtype=torch.float32).expand(rows.numel(), -1)
 
     assert "last_layer_first" in available_policies()

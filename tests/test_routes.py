@@ -27,11 +27,30 @@ def test_properties_of_the_hand_batch():
         (dict(rollout=ROLLOUT, valid=VALID, num_experts=4, native=NATIVE[:, :1]), "native has shape"),
         (dict(rollout=ROLLOUT, valid=VALID, num_experts=4, router_logits=torch.zeros(4, 2, 3)), "router_logits has shape"),
         (dict(rollout=ROLLOUT, valid=VALID, num_experts=2.5), "num_experts=2.5: expected a positive integer"),
+        (dict(rollout=ROLLOUT, valid=torch.tensor([0.3, 1.0, 1.0, 0.0]), num_experts=4), "valid has dtype torch.float32: expected bool or 0/1"),
+        (dict(rollout=ROLLOUT, valid=torch.tensor([float("nan")] * 4), num_experts=4), "valid has dtype torch.float32"),
+        (dict(rollout=ROLLOUT, valid=torch.tensor([1, 2, 1, 0]), num_experts=4), r"valid holds 2 at \[1\]: expected bool or 0/1 integers"),
+        (dict(rollout=ROLLOUT, valid=[True, True, True, False], num_experts=4), "valid is a list: expected a torch.Tensor"),
+        (dict(rollout=ROLLOUT, valid=VALID, num_experts=4, offsets=[0, 4]), "offsets is a list: expected a torch.Tensor"),
+        (dict(rollout=ROLLOUT, valid=VALID, num_experts=4, offsets=torch.tensor([0.0, 4.0])), "offsets has dtype torch.float32"),
+        (dict(rollout=ROLLOUT, valid=VALID, num_experts=4, offsets=torch.tensor([4])), r"offsets has shape \(1,\)"),
+        (dict(rollout=ROLLOUT, valid=VALID, num_experts=4, offsets=torch.tensor([1, 4])), "offsets run from 1 to 4: expected cumulative boundaries from 0 to tokens=4"),
+        (dict(rollout=ROLLOUT, valid=VALID, num_experts=4, offsets=torch.tensor([0, 3])), "offsets run from 0 to 3"),
+        (dict(rollout=ROLLOUT, valid=VALID, num_experts=4, offsets=torch.tensor([0, 3, 2, 4])),
+         r"offsets decrease at sequence 1: offsets\[1\]=3 > offsets\[2\]=2"),
     ],
 )
 def test_invalid_routes_are_rejected_with_the_value_named(kwargs, message):
     with pytest.raises(RoutesError, match=message):
         Routes(**kwargs)
+
+
+def test_integer_valid_masks_and_offsets_are_accepted():
+    routes = Routes(rollout=ROLLOUT, valid=VALID.long(), num_experts=4, offsets=torch.tensor([0, 2, 2, 4], dtype=torch.int32))
+    assert routes.valid.dtype == torch.bool and torch.equal(routes.valid, VALID)
+    assert routes.offsets.dtype == torch.int64 and routes.num_sequences == 3  # an empty sequence is allowed
+    assert routes.valid_offsets.tolist() == [0, 2, 2, 3]  # t0, t1 | - | t2 (t3 is padding)
+    assert hand_routes().num_sequences is None and hand_routes().valid_offsets is None
 
 
 def test_duplicate_expert_in_a_valid_route_is_rejected():
@@ -53,6 +72,8 @@ def test_verl_layout_round_trips_a_left_padded_batch():
     routes = Routes.from_verl(routed, mask, num_experts=experts)
     assert routes.num_tokens == batch * seq and routes.num_valid_tokens == sum(lengths)
     assert torch.equal(routes.rollout[routes.valid], routed[mask.bool()])
+    assert routes.offsets.tolist() == [0, 6, 12, 18]  # one sequence per row of the batch
+    assert routes.valid_offsets.diff().tolist() == lengths
     back = routes.to_verl(batch, seq)
     assert back.dtype == torch.int16 and torch.equal(back, routed)
     inferred = Routes.from_verl(routed, mask)
@@ -61,6 +82,8 @@ def test_verl_layout_round_trips_a_left_padded_batch():
     assert torch.equal(mask_to_verl(replay, batch, seq)[1], replay[seq : 2 * seq])
     with pytest.raises(RoutesError, match=r"mask has shape \(3, 5\)"):
         Routes.from_verl(routed, mask[:, :5])
+    with pytest.raises(RoutesError, match="mask has dtype torch.float32: expected bool or 0/1"):
+        Routes.from_verl(routed, mask * 0.5)
 
 
 def test_layer_quotas_spread_the_remainder_evenly():

@@ -11,7 +11,7 @@ from conftest import compose_config
 
 from ablate.backends import BACKENDS
 from ablate.cell import ConfigError, cell_from_config
-from ablate.diagnostics import SCHEMA, validate_record
+from ablate.diagnostics import SCHEMA, SCHEMA_VERSION, validate_record
 from ablate.runner import run_cell
 from ablate.store import read_json, read_summary
 from ablate.tracking import find_offline_runs, read_offline_run
@@ -60,7 +60,7 @@ def test_offline_wandb_run_reads_back(tmp_path):
     assert run.complete and run.exit_code == 0
     assert (run.group, run.job_type, run.name, run.tags) == ("smoke", "random", cell.name.rsplit("-", 1)[0], ["ci"])
     assert (run.config["policy"], run.config["budget"], run.config["seed"]) == ("random", 0.5, 1)
-    assert run.config["backend.name"] == "synthetic" and run.config["schema_version"] == "1.1"
+    assert run.config["backend.name"] == "synthetic" and run.config["schema_version"] == SCHEMA_VERSION
     assert [row["step"] for row in run.history] == list(range(6))
     assert set(run.history[0]) - {"step"} == set(SCHEMA)
     records = pd.read_parquet(cell / "records.parquet")

@@ -1,16 +1,15 @@
 """Diagnostics: the versioned schema, its validator, and the functions that compute the keys."""
 
 from ablate.diagnostics.metrics import (
+    ROUTE_COUNTS,
     expert_load,
     load_metrics,
+    metrics_from_counts,
     mismatch_metrics,
-    replay_counts,
     replay_metrics,
-    replay_metrics_from_counts,
+    route_counts,
     route_diagnostics,
-    routing_counts,
     routing_metrics,
-    routing_metrics_from_counts,
 )
 from ablate.diagnostics.schema import (
     SCHEMA,
@@ -25,6 +24,7 @@ from ablate.diagnostics.schema import (
 )
 
 __all__ = [
+    "ROUTE_COUNTS",
     "SCHEMA",
     "SCHEMA_VERSION",
     "SECTIONS",
@@ -34,14 +34,12 @@ __all__ = [
     "expert_load",
     "keys_in",
     "load_metrics",
+    "metrics_from_counts",
     "mismatch_metrics",
-    "replay_counts",
     "replay_metrics",
-    "replay_metrics_from_counts",
+    "route_counts",
     "route_diagnostics",
-    "routing_counts",
     "routing_metrics",
-    "routing_metrics_from_counts",
     "to_json_schema",
     "validate_record",
 ]

@@ -9,7 +9,6 @@ Undefined values (a recall with no mismatched route) are NaN, as the schema allo
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 
 import torch
 from torch import Tensor
@@ -18,11 +17,6 @@ from ablate.policies.builtin import route_scores
 from ablate.routes import Routes, token_chunks
 
 NAN = float("nan")
-#: The sums behind the ``replay/`` and ``routing/`` keys (:func:`replay_counts`, :func:`routing_counts`).
-REPLAY_COUNTS = ("valid_routes", "replayed_routes", "unrecorded_routes", "compared_replayed", "overridden_routes",
-                 "fisher_mass", "fisher_total")
-ROUTING_COUNTS = ("compared_routes", "compared_tokens", "compared_slots", "overlap_slots", "mismatched_routes",
-                  "mismatched_tokens", "recalled_routes", "residual_routes")
 
 
 def _ratio(numerator: Tensor | float, denominator: Tensor | float) -> float:
@@ -30,22 +24,41 @@ def _ratio(numerator: Tensor | float, denominator: Tensor | float) -> float:
     return float(numerator) / denominator if denominator else NAN
 
 
-def replay_counts(routes: Routes, mask: Tensor, *, fisher_scores: Tensor | None = None) -> dict[str, float]:
-    """The sums behind the ``replay/`` keys, for one replay mask ``[tokens, layers]``.
+#: Additive counts of a batch from which every ``replay/`` and ``routing/`` key follows. Summed
+#: over micro-batches and ranks (each route counted once), they give the keys of a whole step.
+#: ``compared_*`` count the valid routes and tokens whose native routes are known.
+#: ``unrecorded_routes`` is always 0 for :class:`Routes`, which hold recorded routes only; a
+#: backend that receives routes the rollout never recorded (verl) adds them to the sum.
+ROUTE_COUNTS = (
+    "valid_routes", "replayed_routes", "unrecorded_routes", "compared_routes", "compared_tokens", "compared_replayed",
+    "overridden_routes", "mismatched_routes", "mismatched_tokens", "mismatched_replayed", "shared_experts",
+    "fisher_mass", "fisher_total",
+)
 
-    Sums add up over micro-batches, passes and ranks; :func:`replay_metrics_from_counts` turns
-    them into the keys. ``compared_replayed`` counts the replayed routes that have a native route
-    to compare with (all of them when ``routes.native`` is given, none otherwise). ``Routes``
-    hold recorded routes only, so ``unrecorded_routes`` is 0 here; a backend that receives
-    unrecorded routes (verl) counts them itself and adds them to the sum.
+
+def route_counts(routes: Routes, mask: Tensor, *, fisher_scores: Tensor | None = None) -> dict[str, float]:
+    """The :data:`ROUTE_COUNTS` of one batch and replay mask ``[tokens, layers]``.
+
+    ``fisher_mass`` and ``fisher_total`` are the Fisher route scores (``sum_{e in route} F[l, e]``)
+    of the replayed and of all valid routes; 0 without ``fisher_scores``.
     """
     mask = mask & routes.valid[:, None]
-    replayed = float(mask.sum())
-    counts = dict.fromkeys(REPLAY_COUNTS, 0.0)
-    counts.update(valid_routes=float(routes.num_valid_routes), replayed_routes=replayed)
-    if routes.native_overlap is not None:
-        counts["compared_replayed"] = replayed
-        counts["overridden_routes"] = float(((routes.native_overlap < routes.topk) & mask).sum())
+    counts = dict.fromkeys(ROUTE_COUNTS, 0.0)
+    counts["valid_routes"] = float(routes.num_valid_routes)
+    counts["replayed_routes"] = float(mask.sum())
+    overlap = routes.native_overlap
+    if overlap is not None:
+        mismatched = (overlap < routes.topk) & routes.valid[:, None]
+        counts.update(
+            compared_routes=counts["valid_routes"],
+            compared_tokens=float(routes.num_valid_tokens),
+            compared_replayed=counts["replayed_routes"],
+            overridden_routes=float((mismatched & mask).sum()),
+            mismatched_routes=float(mismatched.sum()),
+            mismatched_tokens=float(mismatched.any(1).sum()),
+            mismatched_replayed=float((mismatched & mask).sum()),
+            shared_experts=float((overlap * routes.valid[:, None]).sum(dtype=torch.float64)),
+        )
     if fisher_scores is not None:
         score = route_scores(fisher_scores, routes)
         counts["fisher_mass"] = float((score * mask).sum(dtype=torch.float64))
@@ -53,17 +66,43 @@ def replay_counts(routes: Routes, mask: Tensor, *, fisher_scores: Tensor | None 
     return counts
 
 
-def replay_metrics_from_counts(counts: Mapping[str, float], budget: float, *, fisher_fallback: bool = False) -> dict[str, float]:
-    """``replay/`` keys from :func:`replay_counts` sums (NaN where a denominator is 0)."""
+def metrics_from_counts(
+    counts: dict[str, float],
+    budget: float,
+    topk: int,
+    *,
+    fisher_fallback: bool = False,
+    fisher_nonfinite: int | None = None,
+) -> dict[str, float]:
+    """Every ``replay/`` and ``routing/`` key from (summed) :data:`ROUTE_COUNTS`.
+
+    - ``replay/override_rate``: overridden / replayed routes with native routes known.
+    - ``replay/effective_budget``: overridden / valid routes with native routes known, the share
+      of valid routes that replay actually changed (``budget_realized x override_rate``; 0 when
+      nothing is replayed). NaN without native routes.
+    - ``replay/fisher_mass``: Fisher score of the replayed routes / of all valid routes.
+    - ``replay/fisher_nonfinite``: the Fisher tracker's skipped non-finite contributions
+      (:attr:`ablate.FisherTracker.nonfinite_last_step`); NaN when no tracker is given.
+    - ``routing/*``: rollout against native routes, over the routes whose native routes are known.
+    """
+    c = counts
+    compared, mismatched = c["compared_routes"], c["mismatched_routes"]
     return {
         "replay/budget_requested": float(budget),
-        "replay/budget_realized": _ratio(counts["replayed_routes"], counts["valid_routes"]),
-        "replay/valid_routes": float(counts["valid_routes"]),
-        "replay/replayed_routes": float(counts["replayed_routes"]),
-        "replay/unrecorded_routes": float(counts["unrecorded_routes"]),
-        "replay/override_rate": _ratio(counts["overridden_routes"], counts["compared_replayed"]),
-        "replay/fisher_mass": _ratio(counts["fisher_mass"], counts["fisher_total"]),
+        "replay/budget_realized": _ratio(c["replayed_routes"], c["valid_routes"]),
+        "replay/valid_routes": float(c["valid_routes"]),
+        "replay/replayed_routes": float(c["replayed_routes"]),
+        "replay/unrecorded_routes": float(c["unrecorded_routes"]),
+        "replay/override_rate": _ratio(c["overridden_routes"], c["compared_replayed"]),
+        "replay/effective_budget": _ratio(c["overridden_routes"], compared),
+        "replay/fisher_mass": _ratio(c["fisher_mass"], c["fisher_total"]),
         "replay/fisher_fallback": float(bool(fisher_fallback)),
+        "replay/fisher_nonfinite": NAN if fisher_nonfinite is None else float(fisher_nonfinite),
+        "routing/route_mismatch_rate": _ratio(mismatched, compared),
+        "routing/token_mismatch_rate": _ratio(c["mismatched_tokens"], c["compared_tokens"]),
+        "routing/topk_overlap": _ratio(c["shared_experts"], compared * topk),
+        "routing/mismatch_recall": _ratio(c["mismatched_replayed"], mismatched),
+        "routing/residual_mismatch_rate": _ratio(mismatched - c["mismatched_replayed"], compared),
     }
 
 
@@ -74,40 +113,14 @@ def replay_metrics(
     *,
     fisher_scores: Tensor | None = None,
     fisher_fallback: bool = False,
+    fisher_nonfinite: int | None = None,
 ) -> dict[str, float]:
-    """``replay/`` keys for one replay mask ``[tokens, layers]``."""
-    counts = replay_counts(routes, mask, fisher_scores=fisher_scores)
-    return replay_metrics_from_counts(counts, budget, fisher_fallback=fisher_fallback)
-
-
-def routing_counts(routes: Routes, mask: Tensor) -> dict[str, float]:
-    """The sums behind the ``routing/`` keys; all 0 without native routes (nothing compared)."""
-    overlap = routes.native_overlap
-    if overlap is None:
-        return dict.fromkeys(ROUTING_COUNTS, 0.0)
-    valid = routes.valid[:, None]
-    mismatched = (overlap < routes.topk) & valid
-    return {
-        "compared_routes": float(routes.num_valid_routes),
-        "compared_tokens": float(routes.num_valid_tokens),
-        "compared_slots": float(routes.num_valid_routes * routes.topk),
-        "overlap_slots": float((overlap * valid).sum(dtype=torch.float64)),
-        "mismatched_routes": float(mismatched.sum()),
-        "mismatched_tokens": float(mismatched.any(1).sum()),
-        "recalled_routes": float((mismatched & mask).sum()),
-        "residual_routes": float((mismatched & ~mask).sum()),
-    }
-
-
-def routing_metrics_from_counts(counts: Mapping[str, float]) -> dict[str, float]:
-    """``routing/`` keys from :func:`routing_counts` sums: rollout versus native routes."""
-    return {
-        "routing/route_mismatch_rate": _ratio(counts["mismatched_routes"], counts["compared_routes"]),
-        "routing/token_mismatch_rate": _ratio(counts["mismatched_tokens"], counts["compared_tokens"]),
-        "routing/topk_overlap": _ratio(counts["overlap_slots"], counts["compared_slots"]),
-        "routing/mismatch_recall": _ratio(counts["recalled_routes"], counts["mismatched_routes"]),
-        "routing/residual_mismatch_rate": _ratio(counts["residual_routes"], counts["compared_routes"]),
-    }
+    """``replay/`` keys for one replay mask ``[tokens, layers]`` (see :func:`metrics_from_counts`)."""
+    counts = route_counts(routes, mask, fisher_scores=fisher_scores)
+    metrics = metrics_from_counts(
+        counts, budget, routes.topk, fisher_fallback=fisher_fallback, fisher_nonfinite=fisher_nonfinite
+    )
+    return _section("replay", metrics)
 
 
 def routing_metrics(routes: Routes, mask: Tensor) -> dict[str, float]:
@@ -115,7 +128,11 @@ def routing_metrics(routes: Routes, mask: Tensor) -> dict[str, float]:
 
     All NaN when the routes carry no native routes (nothing to compare against).
     """
-    return routing_metrics_from_counts(routing_counts(routes, mask))
+    return _section("routing", metrics_from_counts(route_counts(routes, mask), NAN, routes.topk))
+
+
+def _section(section: str, metrics: dict[str, float]) -> dict[str, float]:
+    return {key: value for key, value in metrics.items() if key.startswith(section + "/")}
 
 
 def mismatch_metrics(
@@ -207,14 +224,18 @@ def route_diagnostics(
     logp_rollout: Tensor | None = None,
     fisher_scores: Tensor | None = None,
     fisher_fallback: bool = False,
+    fisher_nonfinite: int | None = None,
     extreme_threshold: float = 2.0,
 ) -> dict[str, float]:
     """Every ``replay/``, ``routing/``, ``load/`` key, and ``mismatch/`` when log-probs are given.
 
     Log-probs are per token, ``[tokens]``, aligned with ``routes.valid``.
     """
-    record = replay_metrics(routes, mask, budget, fisher_scores=fisher_scores, fisher_fallback=fisher_fallback)
-    record.update(routing_metrics(routes, mask))
+    # One pass of route_counts serves both the replay/ and routing/ sections.
+    counts = route_counts(routes, mask, fisher_scores=fisher_scores)
+    record = metrics_from_counts(
+        counts, budget, routes.topk, fisher_fallback=fisher_fallback, fisher_nonfinite=fisher_nonfinite
+    )
     record.update(load_metrics(expert_load(routes, mask)))
     if logp_train is not None and logp_rollout is not None:
         record.update(mismatch_metrics(logp_train, logp_rollout, routes.valid, extreme_threshold=extreme_threshold))

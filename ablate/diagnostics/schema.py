@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
+#: 1.1 adds replay/effective_budget, replay/fisher_nonfinite and replay/unrecorded_routes.
 SCHEMA_VERSION = "1.1"
 JSON_SCHEMA_PATH = Path(__file__).with_name("schema.json")
 
@@ -60,9 +61,15 @@ _KEYS = [
         "not replayable and not counted in valid_routes"),
     Key("replay/override_rate", "fraction", "fraction of replayed routes",
         "share of replayed routes whose rollout route differs from the native route: how much replay changed", True),
+    Key("replay/effective_budget", "fraction", "fraction of valid routes",
+        "replayed routes whose rollout route differs from the native route: the routes replay changed "
+        "(budget_realized x override_rate)", True),
     Key("replay/fisher_mass", "fraction", "fraction of Fisher score",
         "share of the total Fisher route score of valid routes that the mask covers", True),
-    Key("replay/fisher_fallback", "flag", "0/1", "1 when the fisher policy had no estimate yet and selected at random"),
+    Key("replay/fisher_fallback", "flag", "0/1",
+        "1 when the fisher policy had no usable estimate (none yet, non-finite, or all zero) and selected at random"),
+    Key("replay/fisher_nonfinite", "count", "contributions",
+        "non-finite per-token squared gradients the Fisher tracker skipped in its last update", True),
     # routing/: rollout versus native routes.
     Key("routing/route_mismatch_rate", "fraction", "fraction of valid routes",
         "routes whose rollout and native expert sets differ", True),

@@ -1,6 +1,7 @@
 """Replay policies: one interface, a registry, and the six built-in selections."""
 
 from ablate.policies.base import PolicyError, ReplayPolicy, available_policies, get_policy, register_policy
+from ablate.policies.selection import Draws
 from ablate.policies.builtin import (
     FisherReplay,
     FullReplay,
@@ -13,6 +14,7 @@ from ablate.policies.builtin import (
 from ablate.policies.spec import PolicySpec
 
 __all__ = [
+    "Draws",
     "FisherReplay",
     "FullReplay",
     "MismatchReplay",

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 from torch import Tensor
 
-
-def uniform_noise(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> Tensor:
-    """U[0, 1) noise drawn from ``generator`` on the generator's own device, then moved.
-
-    Drawing on the generator's device keeps a mask bit-identical for a given seed whichever device
-    the routes live on, and lets a CPU generator drive CUDA routes.
-    """
-    if generator is None:
-        return torch.rand(shape, device=device)
-    return torch.rand(shape, generator=generator, device=generator.device).to(device)
+from ablate.budget import Quotas
+from ablate.routes import group_chunks
 
 
 def permutation(size: int, generator: torch.Generator | None, device: torch.device) -> Tensor:
@@ -23,9 +17,72 @@ def permutation(size: int, generator: torch.Generator | None, device: torch.devi
     return torch.randperm(size, generator=generator, device=generator.device).to(device)
 
 
-def gumbel_noise(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> Tensor:
-    u = uniform_noise(shape, generator, device).clamp_(min=torch.finfo(torch.float32).tiny)
-    return -torch.log(-torch.log(u))
+def gumbel(uniform: Tensor) -> Tensor:
+    """Standard Gumbel noise from U[0, 1) noise (in place)."""
+    return uniform.clamp_(min=torch.finfo(uniform.dtype).tiny).log_().neg_().log_().neg_()
+
+
+class Draws:
+    """Every random draw of one ``select`` call, group by group.
+
+    A group is a run of valid tokens with its own generator: the whole batch in the global mode,
+    one sequence in the per-sequence mode (``Quotas.bounds``). Each method draws, for each group in
+    order, from that group's generator on the generator's own device, then moves the concatenation
+    to the routes' device once: a mask is bit-identical for a given seed whichever device the
+    routes live on, and a CPU generator can drive CUDA routes. So every random number about a
+    sequence's routes (noise keys, tie breaks, ``uniform``'s offsets, the rotation of its layer
+    quotas) comes from that sequence's generator, and is the same whichever other sequences
+    share the batch.
+
+    A policy's :meth:`~ablate.policies.ReplayPolicy.route_keys` draws its noise through
+    :meth:`uniform` or :meth:`gumbel`, never from a generator of its own.
+    """
+
+    def __init__(self, generators: Sequence[torch.Generator | None], bounds: list[int], num_layers: int, device: torch.device):
+        if len(generators) != len(bounds) - 1:
+            raise ValueError(f"{len(generators)} generators for {len(bounds) - 1} groups: expected one per group")
+        self.generators = list(generators)
+        self.bounds = bounds
+        self.sizes = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+        self.num_layers = num_layers
+        self.device = device
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The generator of the global mode (one group)."""
+        if len(self.generators) != 1:
+            raise ValueError(f"{len(self.generators)} groups have a generator each: there is no single generator")
+        return self.generators[0]
+
+    def _each(self, draw: Callable[[torch.Generator | None, int, torch.device], Tensor]) -> Tensor:
+        """``draw(generator, group, device)`` for every group in order, concatenated on the routes' device."""
+        parts = []
+        for group, generator in enumerate(self.generators):
+            parts.append(draw(generator, group, self.device if generator is None else generator.device))
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(self.device)
+
+    def uniform(self) -> Tensor:
+        """``[valid tokens, layers]`` U[0, 1) float32 noise, one number per valid route."""
+        return self._each(lambda g, group, device: torch.rand((self.sizes[group], self.num_layers), generator=g, device=device))
+
+    def gumbel(self) -> Tensor:
+        """``[valid tokens, layers]`` standard Gumbel noise, one number per valid route."""
+        return gumbel(self.uniform())
+
+    def uniform64(self, *shape: int) -> Tensor:
+        """``[groups, *shape]`` U[0, 1) float64 noise: ``shape`` numbers per group."""
+        return self._each(lambda g, group, device: torch.rand((1, *shape), generator=g, device=device, dtype=torch.float64))
+
+    def layer_shifts(self) -> Tensor:
+        """``[groups]`` int64 in ``[0, layers)``: the rotation of each group's layer quotas."""
+        return self._each(lambda g, group, device: torch.randint(self.num_layers, (1,), generator=g, device=device))
+
+    def tie_breaks(self) -> Tensor:
+        """``[valid tokens, layers]`` int32 of 31 random bits, one per valid route."""
+        return self._each(
+            lambda g, group, device: torch.empty((self.sizes[group], self.num_layers), dtype=torch.int32, device=device)
+            .random_(generator=g)
+        )
 
 
 def top_n(keys: Tensor, n: int, generator: torch.Generator | None = None) -> Tensor:
@@ -51,3 +108,77 @@ def top_n(keys: Tensor, n: int, generator: torch.Generator | None = None) -> Ten
     else:
         chosen[tied[permutation(tied.numel(), generator, keys.device)[:missing]]] = True
     return chosen
+
+
+#: Larger than any packed key of :func:`packed_keys`: fills the rows of :func:`segmented_top_n`.
+_ABOVE_ALL = torch.iinfo(torch.int64).max
+
+
+def packed_keys(keys: Tensor | None, tie_breaks: Tensor) -> Tensor:
+    """int64 keys ``>= 0`` that order like ``keys``, equal keys ordered by the 31 ``tie_breaks`` bits.
+
+    The IEEE bit pattern of a float32, with the magnitude bits flipped for negatives, orders like
+    the float (NaN ranks below ``-inf`` and ``-0.0`` equals ``0.0``, as in :func:`top_n`); it takes
+    the high 32 bits, the tie break the low 31. ``keys=None`` (no preference) ranks by the tie
+    breaks alone. The largest value, that of ``+inf``, stays below :data:`_ABOVE_ALL`.
+    """
+    if keys is None:
+        return tie_breaks.long()
+    keys = torch.nan_to_num(keys.float(), nan=-torch.inf) + 0.0  # + 0.0 turns -0.0 into 0.0
+    bits = keys.view(torch.int32)
+    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long() + 2**31
+    return (ordered << 31) | tie_breaks
+
+
+def segmented_top_n(keys: Tensor | None, quotas: Quotas, draws: Draws) -> Tensor:
+    """``[valid tokens, layers]`` mask with exactly ``quotas.counts`` of the largest keys per group.
+
+    ``keys`` are ``[valid tokens, layers]`` (None: every route equally good); a group is a sequence
+    (``counts[s]``) or one layer of a sequence (``counts[s, l]``). Every route gets 31 random bits
+    from its sequence's generator (:meth:`Draws.tie_breaks`) that order equal keys, so ties are
+    broken uniformly at random, and, were two routes equal in key and bits too, by position.
+
+    Groups are laid out as the rows of a matrix, a chunk of groups of similar size at a time, and
+    one ``topk`` per row finds each group's threshold: row ``g`` holds its own keys, then
+    ``k - counts[g]`` entries above everything, then entries below everything, so the ``k``-th
+    largest of the row (the same ``k`` for every row) is the ``counts[g]``-th largest key of the
+    group. The threshold is a value, and a group's row holds only its own keys whatever else
+    shares the chunk: a sequence gets the same routes in any batch.
+    """
+    tokens, layers = sum(draws.sizes), draws.num_layers
+    device = draws.device
+    routes = tokens * layers
+    # One slot past the routes: padding reads a key below everything from it and writes to it.
+    packed = torch.full((routes + 1,), -1, dtype=torch.int64, device=device)
+    packed[:routes] = packed_keys(keys, draws.tie_breaks()).reshape(-1)
+    chosen = torch.zeros(routes + 1, dtype=torch.bool, device=device)
+    counts = quotas.counts.reshape(-1)
+    sequence_start = torch.tensor(quotas.bounds[:-1], device=device)
+    sequence_size = torch.tensor(draws.sizes, device=device)
+    if quotas.per_layer:  # group (s, l): valid tokens of s at layer l, every layers-th route
+        start = (sequence_start[:, None] * layers + torch.arange(layers, device=device)).reshape(-1)
+        size = sequence_size.repeat_interleave(layers)
+        stride = layers
+    else:  # group s: all routes of s, contiguous
+        start, size, stride = sequence_start * layers, sequence_size * layers, 1
+    for chunk in group_chunks(size.tolist()):
+        groups = torch.tensor(chunk, device=device)
+        n, group_size = counts[groups, None], size[groups, None]
+        k = int(n.max())
+        if k == 0:
+            continue
+        lifted = group_size + (k - n)
+        width = int(lifted.max())
+        column = torch.arange(width, device=device)
+        real = column < group_size
+        index = torch.where(real, start[groups, None] + column * stride, routes)
+        rows = packed[index]
+        rows.masked_fill_(~real & (column < lifted), _ABOVE_ALL)
+        threshold = rows.topk(k, dim=1, sorted=False).values.min(1, keepdim=True).values
+        pick = (rows >= threshold) & real
+        surplus = pick.sum(1, keepdim=True) - n
+        if bool((surplus > 0).any()):  # equal packed keys at a threshold: keep the first by position
+            tied = pick & (rows == threshold)
+            pick &= ~tied | (tied.cumsum(1) <= tied.sum(1, keepdim=True) - surplus)
+        chosen.index_put_((index,), pick)  # padding writes only to the spare slot
+    return chosen[:routes].reshape(tokens, layers)

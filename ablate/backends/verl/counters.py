@@ -16,8 +16,16 @@ split the layers. So (docs/design.md section 4, counting in parallel training):
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import Tensor
+
+from ablate.backends.verl.selection import MicroBatchSelection
+from ablate.diagnostics.metrics import route_counts
+from ablate.routes import Routes
+
+log = logging.getLogger(__name__)
 
 
 def distributed() -> bool:
@@ -71,3 +79,23 @@ def sum_counts_over_world(counts: dict[str, float]) -> dict[str, float]:
     keys = sorted(counts)
     values = sum_over_world(torch.tensor([counts[key] for key in keys], dtype=torch.float64))
     return dict(zip(keys, values.tolist()))
+
+
+def micro_batch_counts(selection: MicroBatchSelection, native: Tensor, num_experts: int,
+                       fisher_scores: Tensor | None) -> dict[str, float]:
+    """The shared route counts of one micro-batch, plus its unrecorded routes.
+
+    ``native`` is the micro-batch's assembled ``[tokens, MoE layers, topk]`` native id + 1 (0
+    where no router reported one). Valid routes without a native route leave the ``routing/``
+    counts out rather than compare against a made-up route.
+    """
+    if not bool(selection.valid.any()):
+        return {"unrecorded_routes": float(selection.unrecorded)}
+    observed = bool((native[selection.valid] > 0).all())
+    if not observed:
+        log.warning("ablate verl hook: valid routes without a native route from the routers; routing/ keys skip them")
+    routes = Routes(rollout=selection.routes, valid=selection.valid, num_experts=num_experts,
+                    native=native.long() - 1 if observed else None)
+    counts = route_counts(routes, selection.mask, fisher_scores=fisher_scores)
+    counts["unrecorded_routes"] += selection.unrecorded
+    return counts

@@ -19,7 +19,6 @@ micro-batch order. The hook:
 from __future__ import annotations
 
 import json
-import logging
 import os
 from dataclasses import asdict, dataclass, field
 
@@ -31,14 +30,11 @@ from ablate.backends.verl.metrics import step_metrics
 from ablate.backends.verl.patch import CallInfo, augment_routes, split_augmented_targets
 from ablate.backends.verl.selection import MicroBatchSelection, select_micro_batch, sequence_keys
 from ablate.budget import check_budget
-from ablate.diagnostics.metrics import REPLAY_COUNTS, ROUTING_COUNTS, replay_counts, routing_counts
+from ablate.diagnostics.metrics import ROUTE_COUNTS
 from ablate.policies import PolicySpec
-from ablate.routes import Routes
 
-log = logging.getLogger(__name__)
-
-#: Sums pooled over a step: the shared counts of the replay/ and routing/ keys, plus the flag.
-STEP_COUNTS = (*REPLAY_COUNTS, *ROUTING_COUNTS, "fisher_fallback")
+#: Sums pooled over a step and the world: the shared route counts and the fallback flag.
+STEP_COUNTS = (*ROUTE_COUNTS, "fisher_fallback")
 
 
 @dataclass(frozen=True)
@@ -119,14 +115,14 @@ class ReplayMaskHook:
 
     def _reset_step(self) -> None:
         self.step_counts = dict.fromkeys(STEP_COUNTS, 0.0)
-        self._fisher_sums: Tensor | None = None
-        self._fisher_counts: Tensor | None = None
+        self._fisher_sums = self._fisher_counts = self._fisher_skipped = None
         self._native_routes.clear()
 
     # ------------------------------------------------------------------------------ calls
     def begin_call(self, info: CallInfo) -> None:
         if self.policy is None:
             self.policy, self.tracker = self.settings.policy.build(len(info.moe_columns), info.num_experts)
+            self._topk = info.topk
         native = torch.zeros(info.num_tokens, info.route_layers, info.topk, dtype=torch.int16,
                              device=counters.collective_device())
         self._call = _Call(info=info, native=native)
@@ -151,9 +147,9 @@ class ReplayMaskHook:
 
     def _close_step(self) -> dict[str, float]:
         totals = counters.sum_counts_over_world(self.step_counts)
-        self._fold_fisher()
-        metrics = step_metrics(totals, self.budget, fisher_fallback=totals["fisher_fallback"] > 0,
-                               update_epochs=self.settings.update_epochs)
+        nonfinite = self._fold_fisher()
+        metrics = step_metrics(totals, self.budget, self._topk, fisher_fallback=totals["fisher_fallback"] > 0,
+                               fisher_nonfinite=nonfinite, update_epochs=self.settings.update_epochs)
         self._reset_step()
         return metrics
 
@@ -197,14 +193,19 @@ class ReplayMaskHook:
         call.native[rows[real], column] = (native.to(call.native.device)[real] + 1).to(torch.int16)
 
     def add_fisher(self, layer: int, logit_grads: Tensor, valid: Tensor) -> None:
-        """Per-token squared router-logit gradients of one MoE layer's valid rows."""
-        grads = logit_grads.detach().reshape(-1, logit_grads.shape[-1])
-        valid = valid.to(grads.device)
+        """Per-token squared router-logit gradients of one MoE layer's valid rows.
+
+        A non-finite square is skipped and counted, as the Fisher tracker does with its own input.
+        """
+        squares = logit_grads.detach().reshape(-1, logit_grads.shape[-1])[valid.to(logit_grads.device)].double().square()
+        finite = torch.isfinite(squares)
         if self._fisher_sums is None:
-            self._fisher_sums = torch.zeros(self.tracker.shape, dtype=torch.float64, device=grads.device)
-            self._fisher_counts = torch.zeros(self.tracker.shape, dtype=torch.float64, device=grads.device)
-        self._fisher_sums[layer] += grads[valid].double().square().sum(0)
-        self._fisher_counts[layer] += float(valid.sum())
+            self._fisher_sums, self._fisher_counts, self._fisher_skipped = (
+                torch.zeros(self.tracker.shape, dtype=torch.float64, device=squares.device) for _ in range(3)
+            )
+        self._fisher_sums[layer] += squares.masked_fill(~finite, 0.0).sum(0)
+        self._fisher_counts[layer] += finite.sum(0)
+        self._fisher_skipped[layer] += (~finite).sum(0)
 
     # -------------------------------------------------------------------------- internals
     def _select(self, info: CallInfo, rollout: Tensor, r3_mask: Tensor, offsets: Tensor) -> MicroBatchSelection:
@@ -229,22 +230,9 @@ class ReplayMaskHook:
 
     def _count(self, selection: MicroBatchSelection, native: Tensor) -> None:
         """Add one micro-batch's counts (this rank counts it for its model-parallel group)."""
-        counts = self.step_counts
-        counts["unrecorded_routes"] += selection.unrecorded
-        if not bool(selection.valid.any()):
-            return
-        observed = bool((native[selection.valid] > 0).all())
-        if not observed:
-            log.warning("ablate verl hook: some valid routes have no native route from the routers; routing/ keys skip them")
-        routes = Routes(
-            rollout=selection.routes, valid=selection.valid, num_experts=self.tracker.shape[1],
-            native=(native.long() - 1) if observed else None,
-        )
         scores = self.tracker.scores() if self.tracker.has_estimate else None
-        for key, value in replay_counts(routes, selection.mask, fisher_scores=scores).items():
-            counts[key] += value
-        for key, value in routing_counts(routes, selection.mask).items():
-            counts[key] += value
+        for key, value in counters.micro_batch_counts(selection, native, self.tracker.shape[1], scores).items():
+            self.step_counts[key] += value
 
     def _keep_native_routes(self, call: _Call, native: Tensor) -> None:
         """Keep each sequence's native routes of the old-log-prob pass for the update passes."""
@@ -267,11 +255,16 @@ class ReplayMaskHook:
                 known[start:end] = (found >= 0).all(-1).all(-1).to(routes.device)
         return native, known
 
-    def _fold_fisher(self) -> None:
-        """The step's Fisher sums, summed over the world, become one step of the estimate."""
-        sums = torch.zeros(self.tracker.shape, dtype=torch.float64) if self._fisher_sums is None else self._fisher_sums
-        counts = torch.zeros_like(sums) if self._fisher_counts is None else self._fisher_counts
-        sums, counts = counters.sum_over_world(sums), counters.sum_over_world(counts)
+    def _fold_fisher(self) -> int:
+        """The step's Fisher sums, summed over the world, become one step of the estimate.
+
+        Returns the number of non-finite contributions the step skipped.
+        """
+        parts = (self._fisher_sums, self._fisher_counts, self._fisher_skipped)
+        if parts[0] is None:
+            parts = tuple(torch.zeros(self.tracker.shape, dtype=torch.float64) for _ in range(3))
+        sums, counts, skipped = counters.sum_over_world(torch.stack(parts)).cpu()
         # accumulate() adds (mean * count); passing the mean weighted by its count adds the sums.
-        self.tracker.accumulate((sums / counts.clamp(min=1))[None].cpu(), counts[None].cpu())
+        self.tracker.accumulate((sums / counts.clamp(min=1))[None], counts[None])
         self.tracker.step()
+        return int(skipped.sum())

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ablate.diagnostics.metrics import replay_metrics_from_counts, routing_metrics_from_counts
+from ablate.diagnostics.metrics import metrics_from_counts
 
 #: verl's prefix of every actor-update metric (``rename_dict(metrics, "actor/")`` in its trainers).
 ACTOR_PREFIX = "actor/"
@@ -20,8 +20,11 @@ ACTOR_PREFIX = "actor/"
 PER_EPOCH_COUNTS = ("valid_routes", "replayed_routes", "unrecorded_routes")
 
 
-def step_metrics(counts: Mapping[str, float], budget: float, *, fisher_fallback: bool, update_epochs: int) -> dict[str, float]:
-    """Schema ``replay/`` and ``routing/`` keys of one step from its summed counters.
+def step_metrics(
+    counts: Mapping[str, float], budget: float, topk: int, *, fisher_fallback: bool, fisher_nonfinite: int,
+    update_epochs: int,
+) -> dict[str, float]:
+    """Schema ``replay/`` and ``routing/`` keys of one step from its summed route counts.
 
     Every update epoch replays each route of the step once, so the route counts are divided by
     the number of epochs: ``replay/valid_routes`` is the number of valid routes in the step's
@@ -30,6 +33,4 @@ def step_metrics(counts: Mapping[str, float], budget: float, *, fisher_fallback:
     per_step = dict(counts)
     for key in PER_EPOCH_COUNTS:
         per_step[key] = counts[key] / update_epochs
-    metrics = replay_metrics_from_counts(per_step, budget, fisher_fallback=fisher_fallback)
-    metrics.update(routing_metrics_from_counts(per_step))
-    return metrics
+    return metrics_from_counts(per_step, budget, topk, fisher_fallback=fisher_fallback, fisher_nonfinite=fisher_nonfinite)

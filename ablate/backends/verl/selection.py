@@ -12,9 +12,10 @@ differ from a clean :class:`ablate.routes.Routes`, and verl's plain R3 accepts a
   replayed: they are counted apart and their tokens are not valid for the budget. A route is
   recorded when its top-k ids are distinct and in range (with top-1 a zero cannot be told from
   expert 0; verl's R3 mask already leaves the final token native).
-- every sequence is selected on its own, with a generator seeded from the run seed and the
-  sequence's routes, so the old-log-prob pass and every update pass replay the same routes
-  whatever the micro-batching, and on every rank that holds the micro-batch.
+- every sequence gets its own exact quota and its own generator, seeded from the run seed and
+  the sequence's routes, in one batched selection over the micro-batch (``per_sequence=True``):
+  a sequence's mask does not depend on the sequences beside it, so the old-log-prob pass and
+  every update pass replay the same routes whatever the micro-batching, on every rank.
 """
 
 from __future__ import annotations
@@ -131,17 +132,11 @@ def select_micro_batch(
     keys = sequence_keys(routes[:, 0], offsets) if keys is None else keys
     selectable = valid if has_native is None else valid & has_native
     mask = torch.zeros(routes.shape[:2], dtype=torch.bool, device=routes.device)
-    bounds = offsets.tolist()
     fallback = False
-    for generator, start, end in zip(sequence_generators(seed, keys), bounds[:-1], bounds[1:]):
-        if not bool(selectable[start:end].any()):
-            continue
-        sequence = Routes(
-            rollout=routes[start:end], valid=selectable[start:end], num_experts=num_experts,
-            native=None if native is None else native[start:end],
-        )
-        mask[start:end] = policy.select(sequence, budget, generator=generator)
-        fallback |= bool(policy.info.get("fisher_fallback", 0.0))
+    if bool(selectable.any()):
+        batch = Routes(rollout=routes, valid=selectable, num_experts=num_experts, native=native, offsets=offsets)
+        mask = policy.select(batch, budget, generator=sequence_generators(seed, keys), per_sequence=True)
+        fallback = bool(policy.info.get("fisher_fallback", 0.0))
     return MicroBatchSelection(
         routes=routes, offsets=offsets, keys=keys, valid=valid, mask=mask, unrecorded=int((~recorded).sum()),
         fisher_fallback=fallback,
