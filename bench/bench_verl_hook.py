@@ -15,7 +15,9 @@ Each is printed as a ratio to ``torch.sum`` over the same micro-batch's routes, 
 same run (median of ``--repeats``). Targets: at most 10x, and the two layouts within 1.5x of each
 other. On a machine shared with other jobs compare ratios only.
 
-    python bench/bench_verl_hook.py [--layers 48] [--experts 128] [--topk 8] [--repeats 15]
+    python bench/bench_verl_hook.py [--layers 48] [--experts 128] [--topk 8] [--repeats 15] [--device cpu]
+
+With ``--device cuda`` the routes live on the GPU, as in verl, and every timing waits for the GPU.
 """
 
 from __future__ import annotations
@@ -42,13 +44,20 @@ def distinct_routes(tokens: int, layers: int, experts: int, topk: int, generator
     return ((start + step * torch.arange(topk, dtype=torch.int32)) % experts).to(torch.int16)
 
 
-def median_time(repeats: int, fn) -> float:
+def median_time(repeats: int, fn, device: torch.device) -> float:
     times = []
-    for _ in range(repeats):
+    for _ in range(repeats + 1):  # the first call warms up (allocator, CUDA kernels)
+        synchronize(device)
         start = time.perf_counter()
         fn()
+        synchronize(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times[1:])
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def main() -> None:
@@ -57,16 +66,20 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
+    device = torch.device(args.device)
     generator = torch.Generator().manual_seed(0)
     tokens = sum(LAYOUTS["32 x 256"])
     routes = distinct_routes(tokens, args.layers, args.experts, args.topk, generator)
     other = distinct_routes(tokens, args.layers, args.experts, args.topk, generator)
-    native = torch.where(torch.rand(tokens, args.layers, 1, generator=generator) < 0.1, other, routes)
-    native_plus_one = (native.to(torch.int16) + 1)
+    native = torch.where(torch.rand(tokens, args.layers, 1, generator=generator) < 0.1, other, routes).to(device)
+    routes = routes.to(device)
+    native_plus_one = native + 1  # the hook's assembled buffer: native id + 1
     print(f"one micro-batch: {tokens} tokens, {args.layers} layers, {args.experts} experts, top-{args.topk} "
-          f"({routes.numel() * 2 / 2**20:.0f} MiB int16); torch {torch.__version__}, {torch.get_num_threads()} threads")
-    baseline = median_time(args.repeats, lambda: torch.sum(routes))
+          f"({routes.numel() * 2 / 2**20:.0f} MiB int16) on {device}; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    baseline = median_time(args.repeats, lambda: torch.sum(routes), device)
     print(f"torch.sum over the routes: {baseline * 1e3:.2f} ms\n")
     print(f"{'policy':<10} {'layout':<10} {'selection':>10} {'+ augment':>10} {'+ counters':>11} {'hook / torch.sum':>17}")
     results: dict[str, dict[str, float]] = {}
@@ -75,21 +88,23 @@ def main() -> None:
         scores = torch.rand(args.layers, args.experts, generator=generator)
         tracker.accumulate(scores[None].double(), torch.ones(1, args.layers, args.experts))
         tracker.step()  # an estimate exists: fisher ranks by it, every policy reports its Fisher mass
-        fisher = tracker.scores()
+        fisher = tracker.scores().to(device)
         for layout, lengths in LAYOUTS.items():
-            offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-            r3_mask = torch.ones(tokens, dtype=torch.bool)
+            offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
+            r3_mask = torch.ones(tokens, dtype=torch.bool, device=device)
             r3_mask[offsets[1:] - 1] = False  # R3 leaves each sequence's final token native
-            mismatch = {"native": native.long(), "has_native": torch.ones(tokens, dtype=torch.bool)} if name == "mismatch" else {}
+            known = torch.ones(tokens, dtype=torch.bool, device=device)
+            mismatch = {"native": native, "has_native": known} if name == "mismatch" else {}
 
             def select():
                 return select_micro_batch(policy, 0.25, 0, routes, r3_mask, offsets, args.experts, **mismatch)
 
             selection = select()
             full_mask = selection.mask
-            select_time = median_time(args.repeats, select)
-            augment_time = median_time(args.repeats, lambda: augment_routes(routes, full_mask, selection.valid, 0))
-            count_time = median_time(args.repeats, lambda: micro_batch_counts(selection, native_plus_one, args.experts, fisher))
+            select_time = median_time(args.repeats, select, device)
+            augment_time = median_time(args.repeats, lambda: augment_routes(routes, full_mask, selection.valid, 0), device)
+            count_time = median_time(
+                args.repeats, lambda: micro_batch_counts(selection, native_plus_one, args.experts, fisher), device)
             total = select_time + augment_time + count_time
             results.setdefault(name, {})[layout] = total / baseline
             print(f"{name:<10} {layout:<10} {select_time * 1e3:>8.1f}ms {augment_time * 1e3:>8.1f}ms "

@@ -152,25 +152,42 @@ def cpu_shims() -> None:
         moe_utils.te_general_gemm = None
 
 
-def transformer_config(layout: Layout):
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes of the MoE model: the tests' tiny float64 one by default (routes equal in every layout)."""
+
+    hidden: int = HIDDEN
+    experts: int = NUM_EXPERTS
+    topk: int = TOPK
+    ffn: int = 8
+    moe_layer_freq: tuple[int, ...] = tuple(MOE_LAYER_FREQ)
+    dtype: torch.dtype = torch.float64
+    router_dtype: str = "fp64"
+    dispatcher: str = "allgather"
+    #: build on the CPU and set the same weights in every layout (tests); else Megatron's own init
+    #: on the current device (benchmarks).
+    same_weights: bool = True
+
+
+def transformer_config(layout: Layout, shape: ModelShape = ModelShape()):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from verl.utils.megatron.router_replay_patch import apply_router_replay_patch
 
     apply_router_replay_patch()  # verl's patch lets TransformerConfig take enable_routing_replay
-
     return TransformerConfig(
-        num_layers=NUM_LAYERS, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=8, moe_ffn_hidden_size=8,
-        num_moe_experts=NUM_EXPERTS, moe_router_topk=TOPK, moe_layer_freq=MOE_LAYER_FREQ,
-        moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather", moe_router_dtype="fp64",
-        enable_routing_replay=True, use_cpu_initialization=True, add_bias_linear=False, hidden_dropout=0.0,
-        attention_dropout=0.0, params_dtype=torch.float64, pipeline_dtype=torch.float64,
+        num_layers=len(shape.moe_layer_freq), hidden_size=shape.hidden, num_attention_heads=2, ffn_hidden_size=shape.ffn,
+        moe_ffn_hidden_size=shape.ffn, num_moe_experts=shape.experts, moe_router_topk=shape.topk,
+        moe_layer_freq=list(shape.moe_layer_freq), moe_router_load_balancing_type="none",
+        moe_token_dispatcher_type=shape.dispatcher, moe_router_dtype=shape.router_dtype, enable_routing_replay=True,
+        use_cpu_initialization=shape.same_weights, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=shape.dtype, pipeline_dtype=shape.dtype, bf16=shape.dtype == torch.bfloat16,
         tensor_model_parallel_size=layout.tp, sequence_parallel=layout.tp > 1, context_parallel_size=layout.cp,
         pipeline_model_parallel_size=layout.pp, virtual_pipeline_model_parallel_size=layout.vpp,
     )
 
 
-def build_chunks(layout: Layout, config) -> list:
+def build_chunks(layout: Layout, config, shape: ModelShape = ModelShape()) -> list:
     """This rank's model chunks: Megatron's GPT decoder layers with identity attention and norms."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
@@ -190,7 +207,8 @@ def build_chunks(layout: Layout, config) -> list:
         chunk = TransformerBlock(config, spec, pre_process=True, post_process=False,
                                  vp_stage=vp_stage if layout.vpp else None)
         chunk.vp_stage = vp_stage
-        set_layout_independent_weights(chunk)
+        if shape.same_weights:
+            set_layout_independent_weights(chunk)
         chunks.append(chunk)
     return chunks
 

@@ -91,11 +91,13 @@ def micro_batch_counts(selection: MicroBatchSelection, native: Tensor, num_exper
     """
     if not bool(selection.valid.any()):
         return {"unrecorded_routes": float(selection.unrecorded)}
-    observed = bool((native[selection.valid] > 0).all())
+    # A router writes a route's topk ids together: its first slot says whether it reported one.
+    observed = bool(((native[..., 0] > 0).all(-1) | ~selection.valid).all())
     if not observed:
         log.warning("ablate verl hook: valid routes without a native route from the routers; routing/ keys skip them")
+    # The rollout ids were checked by the selection (recorded_routes); native ids are the routers' top-k.
     routes = Routes(rollout=selection.routes, valid=selection.valid, num_experts=num_experts,
-                    native=native.long() - 1 if observed else None)
+                    native=native - 1 if observed else None, ids_checked=True)
     counts = route_counts(routes, selection.mask, fisher_scores=fisher_scores)
     counts["unrecorded_routes"] += selection.unrecorded
     return counts

@@ -241,11 +241,11 @@ class ReplayMaskHook:
             part = native[call.rows_of(index)][:, columns]
             bounds = selection.offsets.tolist()
             for key, start, end in zip(selection.keys, bounds[:-1], bounds[1:]):
-                self._native_routes[key] = part[start:end].long() - 1
+                self._native_routes[key] = part[start:end] - 1
 
     def _stitch_native_routes(self, routes: Tensor, offsets: Tensor, keys: list[bytes]) -> tuple[Tensor, Tensor]:
         """Native routes of a micro-batch from the old-log-prob pass, and which tokens have them."""
-        native = torch.zeros(routes.shape, dtype=torch.long, device=routes.device)
+        native = torch.zeros(routes.shape, dtype=torch.int16, device=routes.device)
         known = torch.zeros(routes.shape[0], dtype=torch.bool, device=routes.device)
         bounds = offsets.tolist()
         for key, start, end in zip(keys, bounds[:-1], bounds[1:]):

@@ -140,13 +140,39 @@ def active_hook():
 
 
 def install(hook):
-    """Route verl's R3 through ``hook``. :func:`uninstall` restores verl."""
+    """Route verl's R3 through ``hook``: its routers and its Megatron engine. :func:`uninstall` restores verl."""
+    from verl.utils.megatron import router_replay_utils
+    from verl.workers.engine.megatron import transformer_impl
+
+    wrap_routers(hook)
+    _ORIGINALS.update(
+        set_router_replay_data=transformer_impl.set_router_replay_data,
+        forward_backward_batch=transformer_impl.MegatronEngine.forward_backward_batch,
+    )
+    original_set = router_replay_utils.set_router_replay_data
+    original_fbb = transformer_impl.MegatronEngine.forward_backward_batch
+
+    def set_router_replay_data(*args, **kwargs):
+        return hook.set_router_replay_data(original_set, *args, **kwargs)
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        return hooked_call(hook, original_fbb, self, data, loss_function, forward_only)
+
+    transformer_impl.set_router_replay_data = set_router_replay_data
+    transformer_impl.MegatronEngine.forward_backward_batch = forward_backward_batch
+    return hook
+
+
+def wrap_routers(hook):
+    """The router half of :func:`install`: native routes and Fisher gradients reach ``hook``.
+
+    It imports only verl's router-replay patch and Megatron's router, not verl's engine, so a
+    benchmark can drive the hook where verl's trainer dependencies are not installed.
+    """
     global _ACTIVE
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from verl.utils.megatron import router_replay_utils
     from verl.utils.megatron.router_replay_patch import RouterReplay, RouterReplayAction, apply_router_replay_patch
-    from verl.workers.engine.megatron import transformer_impl
 
     uninstall()
     # verl applies its patch when an R3 engine is built; applying it first lets us wrap the
@@ -154,19 +180,9 @@ def install(hook):
     # check keeps the router registry intact when the model already exists.
     if not getattr(TopKRouter, "_router_replay_patched", False):
         apply_router_replay_patch()
-    _ORIGINALS.update(
-        set_router_replay_data=transformer_impl.set_router_replay_data,
-        get_replay_topk=RouterReplay.get_replay_topk,
-        routing=TopKRouter.routing,
-        forward_backward_batch=transformer_impl.MegatronEngine.forward_backward_batch,
-    )
-    original_set = router_replay_utils.set_router_replay_data
+    _ORIGINALS.update(get_replay_topk=RouterReplay.get_replay_topk, routing=TopKRouter.routing)
     original_topk = RouterReplay.get_replay_topk
     original_routing = TopKRouter.routing
-    original_fbb = transformer_impl.MegatronEngine.forward_backward_batch
-
-    def set_router_replay_data(*args, **kwargs):
-        return hook.set_router_replay_data(original_set, *args, **kwargs)
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         if self.router_replay_action != RouterReplayAction.REPLAY_FORWARD or not hasattr(self.target_replay_mask, "_ablate"):
@@ -195,13 +211,8 @@ def install(hook):
                 logits.register_hook(lambda grad: hook.add_fisher(layer, grad, valid))
         return original_routing(self, logits, *args, **kwargs)
 
-    def forward_backward_batch(self, data, loss_function, forward_only=False):
-        return hooked_call(hook, original_fbb, self, data, loss_function, forward_only)
-
-    transformer_impl.set_router_replay_data = set_router_replay_data
     RouterReplay.get_replay_topk = get_replay_topk
     TopKRouter.routing = routing
-    transformer_impl.MegatronEngine.forward_backward_batch = forward_backward_batch
     _ACTIVE = hook
     return hook
 
@@ -230,18 +241,21 @@ def hooked_call(hook, forward_backward_batch, engine, data, loss_function, forwa
 
 
 def uninstall() -> None:
+    """Restore every name :func:`install` or :func:`wrap_routers` replaced."""
     global _ACTIVE
     if not _ORIGINALS:
         return
     from megatron.core.transformer.moe.router import TopKRouter
 
     from verl.utils.megatron.router_replay_patch import RouterReplay
-    from verl.workers.engine.megatron import transformer_impl
 
-    transformer_impl.set_router_replay_data = _ORIGINALS.pop("set_router_replay_data")
     RouterReplay.get_replay_topk = _ORIGINALS.pop("get_replay_topk")
     TopKRouter.routing = _ORIGINALS.pop("routing")
-    transformer_impl.MegatronEngine.forward_backward_batch = _ORIGINALS.pop("forward_backward_batch")
+    if _ORIGINALS:
+        from verl.workers.engine.megatron import transformer_impl
+
+        transformer_impl.set_router_replay_data = _ORIGINALS.pop("set_router_replay_data")
+        transformer_impl.MegatronEngine.forward_backward_batch = _ORIGINALS.pop("forward_backward_batch")
     _ACTIVE = None
 
 

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ablate.policies import ReplayPolicy
-from ablate.routes import Routes, token_chunks
+from ablate.routes import Routes
 
 
 def layer_columns(tf_config, route_layers: int) -> tuple[int | None, ...]:
@@ -51,16 +51,19 @@ def layer_columns(tf_config, route_layers: int) -> tuple[int | None, ...]:
 
 
 def recorded_routes(routes: Tensor, num_experts: int) -> Tensor:
-    """``[tokens, layers]`` bool: the route holds ``topk`` distinct ids in ``[0, num_experts)``."""
-    tokens, layers, topk = routes.shape
-    recorded = torch.empty(tokens, layers, dtype=torch.bool, device=routes.device)
-    for rows in token_chunks(tokens, layers * topk * topk):
-        chunk = routes[rows]
-        ok = ((chunk >= 0) & (chunk < num_experts)).all(-1)
-        for k in range(1, topk):
-            ok &= ~(chunk[..., k : k + 1] == chunk[..., :k]).any(-1)
-        recorded[rows] = ok
-    return recorded
+    """``[tokens, layers]`` bool: the route holds ``topk`` distinct ids in ``[0, num_experts)``.
+
+    This is the one check of the micro-batch's ids: :class:`Routes` built from the recorded
+    routes skip their own (``ids_checked``). Each slot is compared with the slot ``d`` places
+    after it, cyclically, for ``d`` up to ``topk / 2``: that covers every pair in ``topk / 2``
+    whole-tensor comparisons, and no temporary is larger than ``[tokens, layers, topk]``.
+    """
+    topk = routes.shape[-1]
+    bad = (routes < 0) | (routes >= num_experts)
+    doubled = torch.cat([routes, routes], dim=-1)
+    for shift in range(1, topk // 2 + 1):
+        bad |= routes == doubled[..., shift : shift + topk]
+    return ~bad.any(-1)
 
 
 def sequence_keys(first_layer: Tensor, offsets: Tensor) -> list[bytes]:
@@ -134,7 +137,8 @@ def select_micro_batch(
     mask = torch.zeros(routes.shape[:2], dtype=torch.bool, device=routes.device)
     fallback = False
     if bool(selectable.any()):
-        batch = Routes(rollout=routes, valid=selectable, num_experts=num_experts, native=native, offsets=offsets)
+        batch = Routes(rollout=routes, valid=selectable, num_experts=num_experts, native=native, offsets=offsets,
+                       ids_checked=True)
         mask = policy.select(batch, budget, generator=sequence_generators(seed, keys), per_sequence=True)
         fallback = bool(policy.info.get("fisher_fallback", 0.0))
     return MicroBatchSelection(
