@@ -303,26 +303,27 @@ def overlap_count(a: Tensor, b: Tensor) -> Tensor:
     """``[tokens, layers]`` number of experts two route tensors ``[tokens, layers, topk]`` share.
 
     Precisely: the number of slots of ``a`` whose expert appears anywhere in the route of ``b``.
-    The ``[T, L, K, K]`` pairwise comparison is only ever built for one chunk of tokens at a time,
-    so memory stays a fraction of the routes themselves.
+    Computed a chunk of tokens at a time, so memory stays a fraction of the routes themselves.
     """
     tokens, layers, topk = a.shape
     shared = torch.empty(tokens, layers, dtype=torch.int32, device=a.device)
-    for rows in token_chunks(tokens, layers * topk * topk):
+    for rows in token_chunks(tokens, layers * topk):
         shared[rows] = _overlap_chunk(a[rows], b[rows])
     return shared
 
 
 def _overlap_chunk(a: Tensor, b: Tensor) -> Tensor:
-    pairs = torch.empty(*a.shape, a.shape[-1], dtype=torch.bool, device=a.device)  # contiguous, to view below
-    torch.eq(a[..., :, None], b[..., None, :], out=pairs)
-    if a.shape[-1] != 8:
-        return pairs.any(-1).sum(-1, dtype=torch.int32)
-    # Top-8 (Qwen3, DeepSeek, Mixtral-style): a row of 8 bools is one int64, so "any" is "!= 0",
-    # and the 8 resulting 0/1 bytes sum to the top byte of their product with 0x0101010101010101.
-    found = pairs.view(torch.int64).squeeze(-1) != 0
-    packed = found.view(torch.int64).squeeze(-1)
-    return ((packed * 0x0101010101010101) >> 56).to(torch.int32)
+    # Slot-major copies, so that each comparison is one long contiguous pass over [tokens, layers]:
+    # k passes of "every slot of a equals slot j of b", instead of a [T, L, K, K] broadcast whose
+    # innermost runs are only k long.
+    slots_a = a.permute(2, 0, 1).contiguous()
+    slots_b = b.permute(2, 0, 1).contiguous()
+    found = slots_a == slots_b[0]
+    hit = torch.empty_like(found)
+    for slot in range(1, slots_b.shape[0]):
+        torch.eq(slots_a, slots_b[slot], out=hit)
+        found |= hit
+    return found.sum(0, dtype=torch.int32)
 
 
 def group_chunks(sizes: list[int]) -> list[list[int]]:

@@ -59,7 +59,7 @@ def sequence_batches(draw):
     return sequence_batch(lengths, layers, experts, topk, draw(st.integers(0, 2**31 - 1)), padding=padding)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(routes=sequence_batches(), budget=st.floats(0.0, 1.0), data=st.data(), per_layer=st.booleans())
 def test_a_sequence_gets_the_same_mask_alone_and_in_any_batch(routes, budget, data, per_layer):
     seeds = data.draw(st.lists(st.integers(0, 10**6), min_size=routes.num_sequences, max_size=routes.num_sequences))
@@ -115,14 +115,14 @@ def test_per_sequence_ties_are_broken_at_random_and_the_top_goes_first():
     scores = torch.tensor([[1.0, 1.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
     policy = get_policy("fisher", scores=scores)
     seen = torch.zeros(12, 2)
-    for seed in range(200):
+    for seed in range(120):
         mask = policy.select(routes, 0.25, generator=generators([seed, seed + 1000]), per_sequence=True)
         # n_s = floor(0.25 * 6 * 2 + 0.5) = 3 per sequence, all from layer 1 (the higher score).
         assert mask[:, 0].sum() == 0 and mask[:6, 1].sum() == 3 and mask[6:, 1].sum() == 3
         seen += mask
     # Ties: each valid route of layer 1 is replayed about half the time (3 of 6), none favoured.
-    rates = seen[:, 1] / 200
-    assert bool(((rates - 0.5).abs() < 0.15).all()), rates
+    rates = seen[:, 1] / 120
+    assert bool(((rates - 0.5).abs() < 0.17).all()), rates  # 3.7 standard deviations of a rate of 120 draws
 
 
 def test_per_layer_remainders_rotate_over_layers():
@@ -172,3 +172,22 @@ def test_every_registered_policy_supports_both_modes():
         for per_sequence in (False, True):
             mask = policy.select(routes, budget, generator=generators([0, 1, 2]) if per_sequence else None, per_sequence=per_sequence)
             assert mask.shape == (routes.num_tokens, routes.num_layers)
+
+
+def test_masks_do_not_depend_on_the_device_of_the_routes():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device on this machine; run on a GPU machine to check CPU/CUDA agreement")
+    routes = sequence_batch([9, 4, 13, 1, 7], 3, 8, 2, seed=5, padding=0.2)
+    cuda = Routes(rollout=routes.rollout.cuda(), valid=routes.valid.cuda(), num_experts=8,
+                  native=routes.native.cuda(), offsets=routes.offsets.cuda())
+    for name in BUDGETED:
+        for per_layer in (False, True):
+            policy = policy_for(name, routes, per_layer)
+            for per_sequence in (False, True):
+                def run(batch):
+                    seeds = generators(range(5)) if per_sequence else torch.Generator().manual_seed(0)
+                    return policy.select(batch, 0.35, generator=seeds, per_sequence=per_sequence)
+
+                on_cuda = run(cuda)
+                assert on_cuda.device.type == "cuda"
+                assert torch.equal(on_cuda.cpu(), run(routes)), (name, per_layer, per_sequence)

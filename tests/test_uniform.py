@@ -69,7 +69,7 @@ def shapes(draw):
     return lengths, layers, budget, draw(st.sampled_from(MODES)), draw(st.integers(0, 2**20))
 
 
-@settings(max_examples=50, deadline=None, derandomize=True)
+@settings(max_examples=30, deadline=None, derandomize=True)
 @given(shape=shapes())
 def test_uniform_is_exact_and_even_over_positions_sequences_and_layers(shape):
     lengths, layers, budget, mode, seed = shape

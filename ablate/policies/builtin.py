@@ -63,15 +63,16 @@ class UniformReplay(ReplayPolicy):
        tokens replays valid positions ``floor((i * V_s + w) / c)`` for ``i < c``, with an offset
        ``w`` drawn uniformly from ``[0, V_s)`` independently for every (sequence, layer).
 
-    Every valid route of a layer is thus replayed with probability exactly ``q / V``; positions
-    within a sequence are evenly spaced, and because the offsets are independent per sequence and
-    layer, no position is favoured: the spacing never carries over from one sequence to the next,
-    so it cannot lock onto the sequence length (which systematic sampling over the flattened batch
-    does). Integer arithmetic keeps the positions exact on every device.
+    Every valid route of a layer is thus replayed with probability exactly ``q / V`` (``n_s / N_s``
+    in the per-sequence mode, whose layer quotas rotate); positions within a sequence are evenly
+    spaced, and because the offsets are independent per sequence and layer, no position is
+    favoured: the spacing never carries over from one sequence to the next, so it cannot lock onto
+    the sequence length (which systematic sampling over the flattened batch does). Integer
+    arithmetic keeps the positions exact on every device.
 
     Routes without ``offsets`` have no sequences to stratify on: each layer's quota is then a
-    simple random sample of its valid tokens (a systematic sample over a seeded permutation).
-    Pass ``offsets`` (``Routes.from_verl`` does) to get the stratified control.
+    simple random sample of its valid tokens (the top quota of uniform random keys). Pass
+    ``offsets`` (``Routes.from_verl`` does) to get the stratified control.
     """
 
     def __init__(self) -> None:
@@ -120,7 +121,7 @@ def spread_in_sequences(cells: Tensor, bounds: Tensor, offsets: Tensor, valid_to
     ``w = floor(offsets[s, l] * V_s)``: spaced by ``V_s / c >= 1``, so distinct, and each valid
     token of the sequence is replayed with probability ``c / V_s``.
     """
-    sequences, layers = cells.shape
+    layers = cells.shape[1]
     device = bounds.device
     counts = cells.to(device).reshape(-1)
     sizes = bounds.diff()

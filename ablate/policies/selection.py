@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from ablate.budget import Quotas
-from ablate.routes import group_chunks
+from ablate.routes import group_chunks, token_chunks
 
 
 def permutation(size: int, generator: torch.Generator | None, device: torch.device) -> Tensor:
@@ -150,7 +150,12 @@ def segmented_top_n(keys: Tensor | None, quotas: Quotas, draws: Draws) -> Tensor
     routes = tokens * layers
     # One slot past the routes: padding reads a key below everything from it and writes to it.
     packed = torch.full((routes + 1,), -1, dtype=torch.int64, device=device)
-    packed[:routes] = packed_keys(keys, draws.tie_breaks()).reshape(-1)
+    tie_breaks = draws.tie_breaks()
+    for rows in token_chunks(tokens, layers * 8):  # a chunk of temporaries at a time
+        packed[rows.start * layers : rows.stop * layers] = packed_keys(
+            None if keys is None else keys[rows], tie_breaks[rows]
+        ).reshape(-1)
+    del tie_breaks
     chosen = torch.zeros(routes + 1, dtype=torch.bool, device=device)
     counts = quotas.counts.reshape(-1)
     sequence_start = torch.tensor(quotas.bounds[:-1], device=device)
