@@ -11,8 +11,9 @@ times what the hook adds to verl's R3 on the rank that counts the micro-batch:
   behind the ``replay/`` and ``routing/`` keys, against native routes that differ from the
   rollout's on about 10% of routes.
 
-Each is printed as a ratio to ``torch.sum`` over the same micro-batch's routes, measured in the
-same run (median of ``--repeats``). Targets: at most 10x, and the two layouts within 1.5x of each
+Each is printed as a ratio to ``torch.sum`` over the same micro-batch's routes, timed right
+before each row (median of ``--repeats``), so that a change of load between rows does not skew
+the ratios. Targets: at most 10x, and the two layouts within 1.5x of each
 other. On a machine shared with other jobs compare ratios only.
 
     python bench/bench_verl_hook.py [--layers 48] [--experts 128] [--topk 8] [--repeats 15] [--device cpu]
@@ -79,9 +80,8 @@ def main() -> None:
     print(f"one micro-batch: {tokens} tokens, {args.layers} layers, {args.experts} experts, top-{args.topk} "
           f"({routes.numel() * 2 / 2**20:.0f} MiB int16) on {device}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
-    baseline = median_time(args.repeats, lambda: torch.sum(routes), device)
-    print(f"torch.sum over the routes: {baseline * 1e3:.2f} ms\n")
-    print(f"{'policy':<10} {'layout':<10} {'selection':>10} {'+ augment':>10} {'+ counters':>11} {'hook / torch.sum':>17}")
+    print(f"\n{'policy':<10} {'layout':<10} {'torch.sum':>10} {'selection':>10} {'+ augment':>10} {'+ counters':>11} "
+          f"{'hook / torch.sum':>17}")
     results: dict[str, dict[str, float]] = {}
     for name, settings in POLICIES:
         policy, tracker = PolicySpec(name, settings).build(args.layers, args.experts)
@@ -99,6 +99,7 @@ def main() -> None:
             def select():
                 return select_micro_batch(policy, 0.25, 0, routes, r3_mask, offsets, args.experts, **mismatch)
 
+            baseline = median_time(args.repeats, lambda: torch.sum(routes), device)
             selection = select()
             full_mask = selection.mask
             select_time = median_time(args.repeats, select, device)
@@ -107,8 +108,8 @@ def main() -> None:
                 args.repeats, lambda: micro_batch_counts(selection, native_plus_one, args.experts, fisher), device)
             total = select_time + augment_time + count_time
             results.setdefault(name, {})[layout] = total / baseline
-            print(f"{name:<10} {layout:<10} {select_time * 1e3:>8.1f}ms {augment_time * 1e3:>8.1f}ms "
-                  f"{count_time * 1e3:>9.1f}ms {total / baseline:>16.1f}x")
+            print(f"{name:<10} {layout:<10} {baseline * 1e3:>8.2f}ms {select_time * 1e3:>8.1f}ms "
+                  f"{augment_time * 1e3:>8.1f}ms {count_time * 1e3:>9.1f}ms {total / baseline:>16.1f}x")
     print("\nlayouts: ratio of the slower to the faster (target at most 1.5x)")
     for name, ratios in results.items():
         values = list(ratios.values())
