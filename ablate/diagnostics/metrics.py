@@ -30,9 +30,9 @@ def _ratio(numerator: Tensor | float, denominator: Tensor | float) -> float:
 #: ``unrecorded_routes`` is always 0 for :class:`Routes`, which hold recorded routes only; a
 #: backend that receives routes the rollout never recorded (verl) adds them to the sum.
 ROUTE_COUNTS = (
-    "valid_routes", "replayed_routes", "unrecorded_routes", "compared_routes", "compared_tokens", "compared_replayed",
-    "overridden_routes", "mismatched_routes", "mismatched_tokens", "mismatched_replayed", "shared_experts",
-    "fisher_mass", "fisher_total",
+    "valid_routes", "replayed_routes", "unrecorded_routes", "compared_routes", "compared_tokens",
+    "compared_replayed", "overridden_routes", "mismatched_routes", "mismatched_tokens", "mismatched_replayed",
+    "shared_experts", "fisher_mass", "fisher_total",
 )
 
 

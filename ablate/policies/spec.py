@@ -36,7 +36,8 @@ class PolicySpec:
 
     def build(self, num_layers: int, num_experts: int) -> tuple[ReplayPolicy, FisherTracker]:
         """The policy and its Fisher tracker for a model of ``num_layers`` MoE layers."""
-        tracker = FisherTracker(num_layers, num_experts, decay=self.fisher_decay, normalize=self.fisher_normalize)  # type: ignore[arg-type]
+        normalize = self.fisher_normalize
+        tracker = FisherTracker(num_layers, num_experts, decay=self.fisher_decay, normalize=normalize)  # type: ignore[arg-type]
         settings = dict(self.settings)
         if self.name == "fisher":
             settings["fisher"] = tracker
