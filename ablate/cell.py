@@ -19,7 +19,7 @@ from ablate.budget import FIXED_BUDGETS, check_budget
 from ablate.config import BackendConfig, FisherEstimateConfig, choice_value
 from ablate.diagnostics import SCHEMA_VERSION
 from ablate.fisher import FisherTracker
-from ablate.policies import ReplayPolicy, available_policies, get_policy
+from ablate.policies import PolicySpec, ReplayPolicy, available_policies, get_policy
 
 #: Top-level config keys that never change what a cell computes.
 NOT_IDENTITY = ("tracking", "store_dir", "sweep", "objective", "hydra")
@@ -62,6 +62,13 @@ class Cell:
         if self.trial is not None:
             flat["trial"] = self.trial
         return flat
+
+    def policy_spec(self) -> PolicySpec:
+        """The cell's policy and Fisher settings, as every backend builds them."""
+        return PolicySpec(
+            name=self.policy, settings=dict(self.policy_settings), fisher_decay=self.fisher.decay,
+            fisher_normalize=choice_value(self.fisher.normalize),
+        )
 
 
 def cell_name(policy: str, budget: float, seed: int, trial: int | None = None) -> str:
@@ -149,8 +156,4 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def policy_for(cell: Cell, num_layers: int, num_experts: int) -> tuple[ReplayPolicy, FisherTracker]:
     """The cell's policy and its Fisher tracker (kept for every policy, to log its Fisher mass)."""
-    fisher = FisherTracker(num_layers, num_experts, decay=cell.fisher.decay, normalize=choice_value(cell.fisher.normalize))
-    settings = dict(cell.policy_settings)
-    if cell.policy == "fisher":
-        settings["fisher"] = fisher
-    return get_policy(cell.policy, **settings), fisher
+    return cell.policy_spec().build(num_layers, num_experts)

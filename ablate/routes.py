@@ -36,6 +36,10 @@ class Routes:
             layout: sequence ``s`` is tokens ``offsets[s]:offsets[s + 1]``. It starts at 0, never
             decreases and ends at ``tokens``. Needed by ``select(..., per_sequence=True)``; the
             ``uniform`` policy uses it to spread its quota over sequences and positions.
+        ids_checked: the caller has already checked that every id on a valid token is in range
+            and distinct within its route (the verl hook checks each route it receives for being
+            recorded; native routes are a router's own top-k), so that pass over the ids is not
+            repeated. Every other check still runs.
 
     ``valid`` must be a bool tensor or an integer tensor of 0s and 1s: a float mask (0.3, NaN)
     has no single meaning, so it is rejected rather than cast. Ids on invalid tokens are never
@@ -49,6 +53,7 @@ class Routes:
     native: Tensor | None = None
     router_logits: Tensor | None = None
     offsets: Tensor | None = None
+    ids_checked: bool = False
 
     def __post_init__(self) -> None:
         _check_route_tensor("rollout", self.rollout)
@@ -65,14 +70,16 @@ class Routes:
             raise RoutesError(f"rollout has shape {tuple(self.rollout.shape)}: expected at least one layer and topk >= 1")
         if not bool(self.valid.any()):
             raise RoutesError(f"the batch has no valid token (valid is all False over {tokens} tokens)")
-        _check_ids("rollout", self.rollout, self.valid, self.num_experts)
+        if not self.ids_checked:
+            _check_ids("rollout", self.rollout, self.valid, self.num_experts)
         if self.native is not None:
             _check_route_tensor("native", self.native)
             if self.native.shape != self.rollout.shape:
                 raise RoutesError(
                     f"native has shape {tuple(self.native.shape)}: expected the rollout shape {tuple(self.rollout.shape)}"
                 )
-            _check_ids("native", self.native, self.valid, self.num_experts)
+            if not self.ids_checked:
+                _check_ids("native", self.native, self.valid, self.num_experts)
         if self.router_logits is not None:
             expected = (tokens, layers, self.num_experts)
             if tuple(self.router_logits.shape) != expected:

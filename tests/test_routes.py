@@ -60,6 +60,16 @@ def test_duplicate_expert_in_a_valid_route_is_rejected():
         Routes(rollout=dup, valid=VALID, num_experts=4)
 
 
+def test_ids_checked_skips_only_the_id_pass():
+    """A caller that checked the ids (the verl hook) skips that pass; every other check still runs."""
+    rollout = torch.tensor([[[0, 0]], [[1, 2]]])
+    with pytest.raises(RoutesError, match="picks expert 0 twice"):
+        Routes(rollout=rollout, valid=torch.tensor([True, True]), num_experts=4)
+    assert Routes(rollout=rollout, valid=torch.tensor([True, True]), num_experts=4, ids_checked=True).num_valid_routes == 2
+    with pytest.raises(RoutesError, match="no valid token"):
+        Routes(rollout=rollout, valid=torch.tensor([False, False]), num_experts=4, ids_checked=True)
+
+
 def test_verl_layout_round_trips_a_left_padded_batch():
     g = torch.Generator().manual_seed(0)
     batch, seq, layers, topk, experts = 3, 6, 3, 2, 8

@@ -27,10 +27,12 @@ def _ratio(numerator: Tensor | float, denominator: Tensor | float) -> float:
 #: Additive counts of a batch from which every ``replay/`` and ``routing/`` key follows. Summed
 #: over micro-batches and ranks (each route counted once), they give the keys of a whole step.
 #: ``compared_*`` count the valid routes and tokens whose native routes are known.
+#: ``unrecorded_routes`` is always 0 for :class:`Routes`, which hold recorded routes only; a
+#: backend that receives routes the rollout never recorded (verl) adds them to the sum.
 ROUTE_COUNTS = (
-    "valid_routes", "replayed_routes", "compared_routes", "compared_tokens", "compared_replayed",
-    "overridden_routes", "mismatched_routes", "mismatched_tokens", "mismatched_replayed", "shared_experts",
-    "fisher_mass", "fisher_total",
+    "valid_routes", "replayed_routes", "unrecorded_routes", "compared_routes", "compared_tokens",
+    "compared_replayed", "overridden_routes", "mismatched_routes", "mismatched_tokens", "mismatched_replayed",
+    "shared_experts", "fisher_mass", "fisher_total",
 )
 
 
@@ -90,6 +92,7 @@ def metrics_from_counts(
         "replay/budget_realized": _ratio(c["replayed_routes"], c["valid_routes"]),
         "replay/valid_routes": float(c["valid_routes"]),
         "replay/replayed_routes": float(c["replayed_routes"]),
+        "replay/unrecorded_routes": float(c["unrecorded_routes"]),
         "replay/override_rate": _ratio(c["overridden_routes"], c["compared_replayed"]),
         "replay/effective_budget": _ratio(c["overridden_routes"], compared),
         "replay/fisher_mass": _ratio(c["fisher_mass"], c["fisher_total"]),

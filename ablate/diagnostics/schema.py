@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-#: 1.1 adds replay/effective_budget and replay/fisher_nonfinite.
+#: 1.1 adds replay/effective_budget, replay/fisher_nonfinite and replay/unrecorded_routes.
 SCHEMA_VERSION = "1.1"
 JSON_SCHEMA_PATH = Path(__file__).with_name("schema.json")
 
@@ -56,6 +56,9 @@ _KEYS = [
     Key("replay/budget_realized", "fraction", "fraction of valid routes", "replayed routes / valid routes"),
     Key("replay/valid_routes", "count", "routes", "N: valid tokens times MoE layers"),
     Key("replay/replayed_routes", "count", "routes", "n: routes whose rollout route was replayed"),
+    Key("replay/unrecorded_routes", "count", "routes",
+        "routes the rollout engine did not record (multi-turn gaps, the final token's placeholder): "
+        "not replayable and not counted in valid_routes"),
     Key("replay/override_rate", "fraction", "fraction of replayed routes",
         "share of replayed routes whose rollout route differs from the native route: how much replay changed", True),
     Key("replay/effective_budget", "fraction", "fraction of valid routes",

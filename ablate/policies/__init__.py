@@ -11,6 +11,7 @@ from ablate.policies.builtin import (
     UniformReplay,
     route_scores,
 )
+from ablate.policies.spec import PolicySpec
 
 __all__ = [
     "Draws",
@@ -19,6 +20,7 @@ __all__ = [
     "MismatchReplay",
     "NoReplay",
     "PolicyError",
+    "PolicySpec",
     "RandomReplay",
     "ReplayPolicy",
     "UniformReplay",

@@ -1,5 +1,7 @@
 """backend=verl through ablate's own app: a cell becomes a checked verl launch (dry run on CPU)."""
 
+import math
+
 import pytest
 
 pytest.importorskip("verl.protocol", reason="verl 0.9.1 is not installed here: build it with .ci/verl-env.sh")
@@ -23,7 +25,7 @@ def verl_cell_config(tmp_path, *overrides):
 
 def test_split_metrics_maps_verl_training_metrics_and_keeps_native_names():
     record, native = split_metrics({
-        "critic/score/mean": 0.5, "actor/pg_loss": -0.1, "replay/override_rate": 0.2, "rollout_corr/k3_kl": 0.01,
+        "critic/score/mean": 0.5, "actor/pg_loss": -0.1, "actor/replay/override_rate": 0.2, "rollout_corr/k3_kl": 0.01,
         "timing_s/step": 3.0, "response_length/mean": 100, "note": "text", "flag": True,
     })
     assert record == {"train/reward": 0.5, "train/loss": -0.1, "replay/override_rate": 0.2, "mismatch/kl_k3": 0.01}
@@ -32,6 +34,8 @@ def test_split_metrics_maps_verl_training_metrics_and_keeps_native_names():
     from ablate.diagnostics import SCHEMA
 
     assert set(VERL_KEYS.values()) <= set(SCHEMA)
+    record, _ = split_metrics({"actor/replay/fisher_mass": None, "actor/other": None})  # verl logs NaN as null
+    assert list(record) == ["replay/fisher_mass"] and math.isnan(record["replay/fisher_mass"])
 
 
 @pytest.mark.parametrize("policy, budget, mode", [
@@ -73,11 +77,17 @@ def test_expert_estimators_are_refused_on_verl(tmp_path):
         build_command(cell, tmp_path / "m.jsonl")
 
 
-def test_counts_travel_outside_the_schema_through_verl_averaging():
-    from ablate.backends.verl.hook import verl_metric_name
+def test_the_hook_settings_carry_the_cell_and_verl_update_epochs(tmp_path):
+    from ablate.backends.verl.hook import HookSettings
 
-    assert verl_metric_name("replay/override_rate") == "replay/override_rate"
-    assert verl_metric_name("replay/valid_routes") == "ablate_verl/replay_valid_routes_per_update"
-    assert verl_metric_name("replay/fisher_fallback") == "ablate_verl/replay_fisher_fallback_per_update"
-    record, native = split_metrics({"ablate_verl/replay_valid_routes_per_update": 10.5, "replay/budget_realized": 0.25})
-    assert record == {"replay/budget_realized": 0.25} and "ablate_verl/replay_valid_routes_per_update" in native
+    cell = cell_from_config(verl_cell_config(
+        tmp_path, "policy=fisher", "budget=0.25", "seed=4", "policy.tau=0.5", "policy.fisher.decay=0.7",
+        "backend.overrides=['actor_rollout_ref.actor.ppo_epochs=2']"))
+    command, _ = build_command(cell, tmp_path / "m.jsonl")
+    (override,) = [part for part in command if HookSettings.ENV in part]
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    settings = HookSettings.from_json(OverridesParser.create().parse_override(override).value())
+    assert settings == HookSettings(cell.policy_spec(), 0.25, 4, update_epochs=2)
+    assert settings.policy.settings == {"per_layer": False, "tau": 0.5} and settings.policy.fisher_decay == 0.7
+    assert "actor_rollout_ref.rollout.seed=4" in command

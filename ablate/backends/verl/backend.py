@@ -2,14 +2,16 @@
 
 verl writes its per-step metrics with its own ``file`` logger (JSON lines, path set through
 ``VERL_FILE_LOGGER_PATH``); this module follows that file while verl runs and hands every step to
-the cell runner: the schema keys the worker hook emits (``replay/``, ``routing/``), verl's
-training and rollout-correction metrics mapped onto ``train/`` and ``mismatch/``, and every other numeric verl metric beside them under
-its own name (``rollout_corr/*``, ``training/rollout_probs_diff_*``, ...), outside the schema;
-the mapped ones are kept under their verl names too.
+the cell runner: the schema keys the worker hook emits (``replay/``, ``routing/``, which verl
+prefixes with ``actor/`` like every actor metric), verl's training and rollout-correction
+metrics mapped onto ``train/`` and ``mismatch/``, and every other numeric verl metric beside
+them under its own name (``rollout_corr/*``, ``training/rollout_probs_diff_*``, ...), outside the
+schema; the mapped ones are kept under their verl names too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -19,7 +21,16 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ablate.backends.verl.launch import VerlLaunchError, check_cell_config, check_verl, compose, verl_overrides
+from ablate.backends.verl.hook import HookSettings
+from ablate.backends.verl.launch import (
+    VerlLaunchError,
+    check_cell_config,
+    check_verl,
+    compose,
+    update_epochs,
+    verl_overrides,
+)
+from ablate.backends.verl.metrics import ACTOR_PREFIX
 from ablate.cell import Cell
 from ablate.config import VerlConfig, choice_value
 from ablate.diagnostics import SCHEMA
@@ -44,14 +55,21 @@ VERL_KEYS = {
 
 
 def split_metrics(data: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, float]]:
-    """verl's metrics of one step as (schema record, native metrics kept under their own names)."""
+    """verl's metrics of one step as (schema record, native metrics kept under their own names).
+
+    verl's file logger writes NaN as ``null`` (orjson); a schema key that arrives as ``null`` is
+    a NaN again (undefined this step), so the record keeps every key the hook emitted.
+    """
     record: dict[str, float] = {}
     native: dict[str, float] = {}
     for key, value in data.items():
+        hook_key = key.removeprefix(ACTOR_PREFIX)
+        if value is None and hook_key in SCHEMA:
+            value = float("nan")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        if key in SCHEMA:
-            record[key] = float(value)
+        if hook_key in SCHEMA:
+            record[hook_key] = float(value)
         elif key in VERL_KEYS:
             record[VERL_KEYS[key]] = float(value)
             native[key] = float(value)
@@ -81,7 +99,12 @@ def follow(path: Path, process: subprocess.Popen, poll: float = 1.0) -> Iterator
 
 
 def build_command(cell: Cell, metrics_file: Path) -> tuple[list[str], dict[str, str]]:
-    """The verl command line and environment of a cell; checks verl and the config first."""
+    """The verl command line and environment of a cell; checks verl and the config first.
+
+    The config is composed twice: once to read what the worker hook must know of verl's own
+    settings (the number of update epochs), then with the hook's settings, to check the
+    command exactly as ``main_ppo`` will compose it.
+    """
     cfg: VerlConfig = cell.backend  # type: ignore[assignment]
     check_verl()
     estimator = choice_value(cell.fisher.estimator)
@@ -91,15 +114,13 @@ def build_command(cell: Cell, metrics_file: Path) -> tuple[list[str], dict[str, 
             "gradients only; expected router_logits"
         )
     config_dir = Path(cfg.config_dir) if cfg.config_dir else EXAMPLES
-    settings = dict(cell.policy_settings)
-    settings.update({"decay": cell.fisher.decay, "normalize": choice_value(cell.fisher.normalize)})
-    overrides = [
-        *verl_overrides(cell.policy, cell.budget, cell.seed, settings),
-        "trainer.logger=[console,file]",
-        f"trainer.experiment_name={cell.name}",
-        *cfg.overrides,
-    ]
-    check_cell_config(compose(config_dir, cfg.config_name, overrides))
+    own = ["trainer.logger=[console,file]", f"trainer.experiment_name={cell.name}", *cfg.overrides]
+    settings = HookSettings(policy=cell.policy_spec(), budget=cell.budget, seed=cell.seed)
+    draft = compose(config_dir, cfg.config_name, [*verl_overrides(settings), *own])
+    check_cell_config(draft, cell.policy)
+    settings = dataclasses.replace(settings, update_epochs=update_epochs(draft))
+    overrides = [*verl_overrides(settings), *own]
+    check_cell_config(compose(config_dir, cfg.config_name, overrides), cell.policy)
     command = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={config_dir.resolve()}",
                f"--config-name={cfg.config_name}", *overrides]
     return command, {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_file)}

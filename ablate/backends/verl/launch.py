@@ -2,37 +2,70 @@
 
 ``none`` runs verl with router replay disabled, ``full`` runs verl's plain R3, every other policy
 runs R3 with :mod:`ablate.backends.verl.hook` choosing per-(token, layer) masks. The hook reaches
-verl's Ray workers through verl's own extension point ``actor_rollout_ref.model.external_lib``
-(imported by every process that builds the model config); policy, budget, seed and settings reach
-it as environment variables of Ray's ``runtime_env``.
+verl's Ray workers through verl's own extension point ``actor_rollout_ref.model.external_lib``;
+the cell's policy, budget and seed reach it as one JSON environment variable of Ray's
+``runtime_env``. verl's ``main_ppo`` merges ``ray_kwargs.ray_init.runtime_env`` into
+``ray.init``, and Ray accepts only string values there, so every value is passed as a quoted
+Hydra string.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-import json
+import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from ablate.budget import FIXED_BUDGETS, check_budget
+from ablate.backends.verl.hook import HookSettings
 
 REQUIRED_VERL = Path(__file__).resolve().parents[3] / "REQUIRED_VERL.txt"
 WORKER_MODULE = "ablate.backends.verl.worker"
 ENV_PREFIX = "+ray_kwargs.ray_init.runtime_env.env_vars."
 MODE_KEY = "actor_rollout_ref.actor.megatron.router_replay.mode"
 ROLLOUT_ROUTES_KEY = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
+BYPASS_KEY = "algorithm.rollout_correction.bypass_mode"
+DYNAMIC_CP_KEY = "actor_rollout_ref.actor.megatron.dynamic_context_parallel"
+EPOCHS_KEY = "actor_rollout_ref.actor.ppo_epochs"
 
 
 class VerlLaunchError(RuntimeError):
     """A cell that cannot run on verl, found before anything is launched."""
 
 
-def verl_overrides(policy: str, budget: float | None, seed: int, settings: Mapping[str, Any] | None = None) -> list[str]:
+def hydra_string(value: str) -> str:
+    """``value`` as a quoted Hydra override value, so Hydra keeps it a string.
+
+    Unquoted, Hydra types ``0.3`` as a float and ``3`` as an int, and Ray then rejects them as
+    ``runtime_env`` environment variables. Inside quotes a backslash is literal unless it
+    precedes a quote or ends the string, where it must be doubled; quotes are escaped.
+    """
+    doubled = re.sub(r"(\\+)(?='|$)", lambda run: run.group(1) * 2, value)
+    return "'" + doubled.replace("'", "\\'") + "'"
+
+
+def seed_overrides(seed: int) -> list[str]:
+    """Every place verl 0.9.1 seeds randomness from the config, set to the cell's seed.
+
+    Without them each cell would sample its rollouts with vLLM's default seed 42 (plus the
+    replica number) and shuffle its data and mini-batches with seed 42: seeds would not be
+    replicates. SGLang's server takes its seed only through ``engine_kwargs``.
+    """
+    seed = int(seed)
+    return [
+        f"data.seed={seed}",
+        f"actor_rollout_ref.actor.megatron.seed={seed}",
+        f"actor_rollout_ref.actor.data_loader_seed={seed}",
+        f"actor_rollout_ref.rollout.seed={seed}",
+        f"++actor_rollout_ref.rollout.engine_kwargs.sglang.random_seed={seed}",
+        f"reward.reward_model.rollout.seed={seed}",
+    ]
+
+
+def verl_overrides(settings: HookSettings) -> list[str]:
     """Hydra overrides that make verl's ``ppo_trainer`` config run one ablation cell. Pure."""
-    budget = check_budget(budget, policy)
-    overrides = [f"actor_rollout_ref.actor.megatron.seed={int(seed)}", f"data.seed={int(seed)}"]
+    overrides = seed_overrides(settings.seed)
+    policy = settings.policy.name
     if policy == "none":
         return overrides + [f"{MODE_KEY}=disabled", f"{ROLLOUT_ROUTES_KEY}=False"]
     overrides += [f"{MODE_KEY}=R3", f"{ROLLOUT_ROUTES_KEY}=True"]
@@ -40,10 +73,7 @@ def verl_overrides(policy: str, budget: float | None, seed: int, settings: Mappi
         return overrides
     return overrides + [
         f"actor_rollout_ref.model.external_lib={WORKER_MODULE}",
-        f"{ENV_PREFIX}ABLATE_VERL_POLICY={policy}",
-        f"{ENV_PREFIX}ABLATE_VERL_BUDGET={budget!r}",
-        f"{ENV_PREFIX}ABLATE_VERL_SEED={int(seed)}",
-        f"{ENV_PREFIX}ABLATE_VERL_SETTINGS='{json.dumps(dict(settings or {}), sort_keys=True)}'",
+        f"{ENV_PREFIX}{HookSettings.ENV}={hydra_string(settings.to_json())}",
     ]
 
 
@@ -73,8 +103,15 @@ def check_verl(path: Path = REQUIRED_VERL) -> str:
     return found
 
 
-def check_cell_config(config) -> None:
-    """Reject a composed verl config the hook cannot serve (Megatron engine, R3 routes from rollout)."""
+def check_cell_config(config, policy: str) -> None:
+    """Reject a composed verl config that cannot run ``policy`` as ablate means it.
+
+    Replay needs the Megatron engine and routes recorded by a vLLM or SGLang rollout. The hook
+    needs verl's static micro-batching (not dynamic context parallelism). ``mismatch`` needs the
+    native routes of the old-log-prob pass, which bypass mode skips: with one PPO epoch every
+    sequence would first be seen in the update pass and route natively, so the cell would be
+    ``none`` under another name. It is refused rather than run.
+    """
     from omegaconf import OmegaConf
 
     actor = config.actor_rollout_ref.actor
@@ -95,6 +132,27 @@ def check_cell_config(config) -> None:
             f"actor_rollout_ref.rollout.name={config.actor_rollout_ref.rollout.name}: only vllm and sglang "
             "return routed_experts for R3"
         )
+    if policy in ("none", "full"):
+        return
+    if OmegaConf.select(config, DYNAMIC_CP_KEY, default=False):
+        raise VerlLaunchError(
+            f"{DYNAMIC_CP_KEY}=True with policy={policy}: the replay-mask hook follows verl's static "
+            f"micro-batches; set {DYNAMIC_CP_KEY}=False"
+        )
+    if policy == "mismatch" and OmegaConf.select(config, BYPASS_KEY, default=False):
+        raise VerlLaunchError(
+            f"policy=mismatch with {BYPASS_KEY}=True: mismatch selects on the native routes of the "
+            "old-log-prob pass, which bypass mode skips, so it would replay nothing; set "
+            f"{BYPASS_KEY}=False or choose another policy"
+        )
+
+
+def update_epochs(config) -> int:
+    """How many update passes verl makes over each sequence of a step (``ppo_epochs``)."""
+    epochs = config.actor_rollout_ref.actor.ppo_epochs
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        raise VerlLaunchError(f"{EPOCHS_KEY}={epochs!r}: expected a positive integer")
+    return epochs
 
 
 def compose(config_dir: str | Path, config_name: str, overrides: Sequence[str]):
@@ -107,11 +165,13 @@ def compose(config_dir: str | Path, config_name: str, overrides: Sequence[str]):
 
 
 __all__ = [
-    "FIXED_BUDGETS",
     "VerlLaunchError",
     "check_cell_config",
     "check_verl",
     "compose",
+    "hydra_string",
     "required_verl",
+    "seed_overrides",
+    "update_epochs",
     "verl_overrides",
 ]

@@ -1,29 +1,23 @@
-"""Imported in verl's worker processes through ``actor_rollout_ref.model.external_lib``.
+"""Imported in verl's processes through ``actor_rollout_ref.model.external_lib``.
 
-Installs :class:`ablate.backends.verl.hook.ReplayMaskHook` from the ``ABLATE_VERL_*`` environment
-variables that :func:`ablate.backends.verl.launch.verl_overrides` puts into Ray's runtime_env.
-Without them (a process that is not part of an ablate cell) importing this module does nothing.
+verl imports that module in every process that builds its model config (the trainer, the
+agent-loop workers, the rollout servers and the actor). Importing this module installs nothing
+by itself: it arranges for :class:`ablate.backends.verl.hook.ReplayMaskHook` to be installed
+when the process builds an R3 Megatron actor engine, with the cell's settings from the
+``ABLATE_VERL_CELL`` environment variable that :func:`ablate.backends.verl.launch.verl_overrides`
+puts into Ray's runtime_env. Without it (a process that is not part of an ablate cell) it does
+nothing at all.
 """
 
-import json
-import os
-
-from ablate.backends.verl.hook import ReplayMaskHook, active_hook, install
+from ablate.backends.verl.hook import HookSettings, ReplayMaskHook
+from ablate.backends.verl.patch import install_in_actor
 
 
-def install_from_env() -> ReplayMaskHook | None:
-    policy = os.environ.get("ABLATE_VERL_POLICY")
-    if policy is None or active_hook() is not None:
-        return active_hook()
-    budget = os.environ.get("ABLATE_VERL_BUDGET")
-    return install(
-        ReplayMaskHook(
-            policy=policy,
-            budget=None if budget in (None, "None") else float(budget),
-            seed=int(os.environ.get("ABLATE_VERL_SEED", "0")),
-            settings=json.loads(os.environ.get("ABLATE_VERL_SETTINGS", "{}")),
-        )
-    )
+def arrange_install() -> HookSettings | None:
+    settings = HookSettings.from_env()
+    if settings is not None:
+        install_in_actor(lambda: ReplayMaskHook(settings))
+    return settings
 
 
-install_from_env()
+arrange_install()

@@ -1,0 +1,103 @@
+"""Counting each route once across the ranks of a Megatron run, and summing what they saw.
+
+verl gives every rank of a tensor-, context- and pipeline-parallel group (TP x CP x PP) the same
+micro-batches, and every virtual-pipeline chunk of a rank sees them again. Each rank's routers
+route a disjoint part of them: TP with sequence parallelism and CP split the tokens, PP and VPP
+split the layers. So (docs/design.md section 4, counting in parallel training):
+
+- selection counts (valid, replayed, unrecorded routes) are taken on one rank per model-parallel
+  group, the one with TP and CP rank 0 whose model chunk holds the first MoE layer, once per
+  micro-batch; a world sum then adds the data-parallel replicas;
+- what the routers saw (their native routes) is written by each rank into a buffer indexed by
+  (token, layer) and summed over TP x CP, then over PP: every entry is written by exactly one
+  rank, so the sum assembles the whole micro-batch on every rank;
+- Fisher sums of router-logit gradients are per (token, layer), so a world sum is exact.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+from ablate.backends.verl.selection import MicroBatchSelection
+from ablate.diagnostics.metrics import route_counts
+from ablate.routes import Routes
+
+log = logging.getLogger(__name__)
+
+
+def distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def collective_device() -> torch.device:
+    """Where the hook's buffers live and its collectives run: the current GPU, or the CPU (gloo)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def counting_rank(router_layer_numbers: list[int], first_moe_layer: int) -> bool:
+    """True on the one rank and chunk of a model-parallel group that counts a micro-batch."""
+    if first_moe_layer not in router_layer_numbers:
+        return False
+    if not distributed():
+        return True
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_context_parallel_rank() == 0
+
+
+def assemble_over_model_parallel(parts: Tensor) -> Tensor:
+    """Sum of a tensor whose entries each rank of TP x CP x PP wrote disjointly (zeros elsewhere).
+
+    Integer tensors travel as bytes: NCCL has no int16 sum, and because each byte is non-zero on
+    at most one rank, a byte-wise sum is the exact value.
+    """
+    if not distributed():
+        return parts
+    from megatron.core import parallel_state as mpu
+
+    assembled = parts.contiguous().clone()
+    payload = assembled.view(torch.uint8) if not assembled.is_floating_point() else assembled
+    for group in (mpu.get_tensor_and_context_parallel_group(), mpu.get_pipeline_model_parallel_group()):
+        if torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(payload, group=group)
+    return assembled
+
+
+def sum_over_world(values: Tensor) -> Tensor:
+    """Sum of a float64 tensor over every rank (on the device collectives run on)."""
+    if not distributed() or torch.distributed.get_world_size() == 1:
+        return values
+    reduced = values.to(collective_device()).clone()
+    torch.distributed.all_reduce(reduced)
+    return reduced.to(values.device)
+
+
+def sum_counts_over_world(counts: dict[str, float]) -> dict[str, float]:
+    keys = sorted(counts)
+    values = sum_over_world(torch.tensor([counts[key] for key in keys], dtype=torch.float64))
+    return dict(zip(keys, values.tolist()))
+
+
+def micro_batch_counts(selection: MicroBatchSelection, native: Tensor, num_experts: int,
+                       fisher_scores: Tensor | None) -> dict[str, float]:
+    """The shared route counts of one micro-batch, plus its unrecorded routes.
+
+    ``native`` is the micro-batch's assembled ``[tokens, MoE layers, topk]`` native id + 1 (0
+    where no router reported one). Valid routes without a native route leave the ``routing/``
+    counts out rather than compare against a made-up route.
+    """
+    if not bool(selection.valid.any()):
+        return {"unrecorded_routes": float(selection.unrecorded)}
+    # A router writes a route's topk ids together: its first slot says whether it reported one.
+    observed = bool(((native[..., 0] > 0).all(-1) | ~selection.valid).all())
+    if not observed:
+        log.warning("ablate verl hook: valid routes without a native route from the routers; routing/ keys skip them")
+    # The rollout ids were checked by the selection (recorded_routes); native ids are the routers' top-k.
+    routes = Routes(rollout=selection.routes, valid=selection.valid, num_experts=num_experts,
+                    native=native - 1 if observed else None, ids_checked=True)
+    counts = route_counts(routes, selection.mask, fisher_scores=fisher_scores)
+    counts["unrecorded_routes"] += selection.unrecorded
+    return counts

@@ -1,0 +1,147 @@
+"""Which routes of one verl micro-batch are replayable, and which of them the policy replays.
+
+verl hands the hook a micro-batch as jagged routes ``[tokens, route layers, topk]`` (sequences
+back to back, ``offsets`` between them) and R3's per-token mask. Three things make a verl batch
+differ from a clean :class:`ablate.routes.Routes`, and verl's plain R3 accepts all of them:
+
+- the route tensor may cover every transformer layer, dense ones included (DeepSeek-V3 and
+  Moonlight have leading dense layers; verl then maps routers by their global layer number).
+  Dense columns are not routes: only MoE columns are kept.
+- tokens the rollout engine never routed hold zeros: multi-turn gaps, and the placeholder verl
+  appends for the final token of each sequence. Their routes are not recorded, so they cannot be
+  replayed: they are counted apart and their tokens are not valid for the budget. A route is
+  recorded when its top-k ids are distinct and in range (with top-1 a zero cannot be told from
+  expert 0; verl's R3 mask already leaves the final token native).
+- every sequence gets its own exact quota and its own generator, seeded from the run seed and
+  the sequence's routes, in one batched selection over the micro-batch (``per_sequence=True``):
+  a sequence's mask does not depend on the sequences beside it, so the old-log-prob pass and
+  every update pass replay the same routes whatever the micro-batching, on every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ablate.policies import ReplayPolicy
+from ablate.routes import Routes
+
+
+def layer_columns(tf_config, route_layers: int) -> tuple[int | None, ...]:
+    """For each transformer layer (0-based), its column in verl's route tensor; None if dense.
+
+    verl indexes the route tensor by global layer when it has one column per transformer layer,
+    and by MoE-layer ordinal otherwise (``set_router_replay_data``); the same rule applies here.
+    """
+    from verl.utils.megatron.router_replay_utils import is_moe_layer
+
+    by_layer = route_layers == tf_config.num_layers
+    columns: list[int | None] = []
+    ordinal = 0
+    for layer in range(tf_config.num_layers):
+        if is_moe_layer(tf_config, layer):
+            columns.append(layer if by_layer else ordinal)
+            ordinal += 1
+        else:
+            columns.append(None)
+    return tuple(columns)
+
+
+def recorded_routes(routes: Tensor, num_experts: int) -> Tensor:
+    """``[tokens, layers]`` bool: the route holds ``topk`` distinct ids in ``[0, num_experts)``.
+
+    This is the one check of the micro-batch's ids: :class:`Routes` built from the recorded
+    routes skip their own (``ids_checked``). Each slot is compared with the slot ``d`` places
+    after it, cyclically, for ``d`` up to ``topk / 2``: that covers every pair in ``topk / 2``
+    whole-tensor comparisons, and no temporary is larger than ``[tokens, layers, topk]``.
+    """
+    topk = routes.shape[-1]
+    bad = (routes < 0) | (routes >= num_experts)
+    doubled = torch.cat([routes, routes], dim=-1)
+    for shift in range(1, topk // 2 + 1):
+        bad |= routes == doubled[..., shift : shift + topk]
+    return ~bad.any(-1)
+
+
+def sequence_keys(first_layer: Tensor, offsets: Tensor) -> list[bytes]:
+    """A content key per sequence, from its routes at the first MoE layer.
+
+    The key seeds the sequence's generator and finds its native routes in a later pass. One
+    layer identifies a sequence (two different sequences with the same first-layer routes at
+    every position do not occur) at 1/layers of the cost of hashing all routes.
+    """
+    ids = first_layer.detach().to("cpu", torch.int16).contiguous().numpy()
+    bounds = offsets.tolist()
+    return [hashlib.blake2b(ids[start:end].tobytes(), digest_size=16).digest() for start, end in zip(bounds[:-1], bounds[1:])]
+
+
+def sequence_generators(seed: int, keys: list[bytes]) -> list[torch.Generator]:
+    """One CPU generator per sequence, seeded from the run seed and the sequence's content."""
+    generators = []
+    for key in keys:
+        digest = hashlib.blake2b(seed.to_bytes(8, "little", signed=True) + key, digest_size=8).digest()
+        generators.append(torch.Generator().manual_seed(int.from_bytes(digest, "little") % 2**63))
+    return generators
+
+
+@dataclass
+class MicroBatchSelection:
+    """The hook's choice for one micro-batch.
+
+    Attributes:
+        routes: ``[tokens, MoE layers, topk]`` rollout routes.
+        offsets: ``[sequences + 1]`` sequence boundaries.
+        keys: one content key per sequence.
+        valid: ``[tokens]`` the tokens R3 replays whose routes were all recorded.
+        mask: ``[tokens, MoE layers]`` replay mask, never True on an invalid token.
+        unrecorded: number of MoE routes of the micro-batch that were not recorded.
+        fisher_fallback: the fisher policy had no estimate and selected at random.
+    """
+
+    routes: Tensor
+    offsets: Tensor
+    keys: list[bytes]
+    valid: Tensor
+    mask: Tensor
+    unrecorded: int
+    fisher_fallback: bool
+
+
+def select_micro_batch(
+    policy: ReplayPolicy,
+    budget: float,
+    seed: int,
+    routes: Tensor,
+    r3_mask: Tensor,
+    offsets: Tensor,
+    num_experts: int,
+    *,
+    keys: list[bytes] | None = None,
+    native: Tensor | None = None,
+    has_native: Tensor | None = None,
+) -> MicroBatchSelection:
+    """Select the replayed routes of one micro-batch of MoE routes ``[tokens, layers, topk]``.
+
+    ``r3_mask`` is verl's per-token R3 mask, ``offsets`` the sequence boundaries and ``keys``
+    the sequences' content keys (computed when not given). ``native`` (``[tokens, layers,
+    topk]``) is needed by ``mismatch``; tokens where ``has_native`` is False are not selected
+    (their native routes are not known).
+    """
+    recorded = recorded_routes(routes, num_experts)
+    valid = r3_mask.to(routes.device).bool() & recorded.all(1)
+    keys = sequence_keys(routes[:, 0], offsets) if keys is None else keys
+    selectable = valid if has_native is None else valid & has_native
+    mask = torch.zeros(routes.shape[:2], dtype=torch.bool, device=routes.device)
+    fallback = False
+    if bool(selectable.any()):
+        batch = Routes(rollout=routes, valid=selectable, num_experts=num_experts, native=native, offsets=offsets,
+                       ids_checked=True)
+        mask = policy.select(batch, budget, generator=sequence_generators(seed, keys), per_sequence=True)
+        fallback = bool(policy.info.get("fisher_fallback", 0.0))
+    return MicroBatchSelection(
+        routes=routes, offsets=offsets, keys=keys, valid=valid, mask=mask, unrecorded=int((~recorded).sum()),
+        fisher_fallback=fallback,
+    )

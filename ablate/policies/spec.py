@@ -1,0 +1,51 @@
+"""One builder for a cell's replay policy, in every backend and every process.
+
+A :class:`PolicySpec` holds what a cell asks of its policy: the registered name, the policy's
+own settings (``per_layer``, ``tau``) and the Fisher estimate settings. The synthetic backend
+builds it in process; the verl backend sends it as JSON to verl's worker processes and builds it
+there, once the model's layer and expert counts are known. Both get the policy and its Fisher
+tracker from :meth:`PolicySpec.build`, so the two backends cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ablate.fisher import FisherTracker
+from ablate.policies.base import ReplayPolicy, get_policy
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A replay policy by name and settings, plus how its Fisher estimate is smoothed.
+
+    Args:
+        name: a registered policy (``none``, ``full``, ``random``, ``uniform``, ``fisher``, ...).
+        settings: the policy's keyword settings for :func:`ablate.policies.get_policy`.
+        fisher_decay, fisher_normalize: :class:`ablate.fisher.FisherTracker` settings. Every
+            policy gets a tracker (its Fisher mass is logged for every arm); only ``fisher``
+            ranks routes by it.
+    """
+
+    name: str
+    settings: dict[str, Any] = field(default_factory=dict)
+    fisher_decay: float = 0.9
+    fisher_normalize: str = "none"
+
+    def build(self, num_layers: int, num_experts: int) -> tuple[ReplayPolicy, FisherTracker]:
+        """The policy and its Fisher tracker for a model of ``num_layers`` MoE layers."""
+        normalize = self.fisher_normalize
+        tracker = FisherTracker(num_layers, num_experts, decay=self.fisher_decay, normalize=normalize)  # type: ignore[arg-type]
+        settings = dict(self.settings)
+        if self.name == "fisher":
+            settings["fisher"] = tracker
+        return get_policy(self.name, **settings), tracker
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> PolicySpec:
+        return cls(**json.loads(text))

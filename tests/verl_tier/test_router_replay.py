@@ -1,0 +1,263 @@
+"""The hook on one rank against verl 0.9.1's real router-replay code and Megatron's TopKRouter.
+
+Routers are driven with logits directly, so each test knows every native route and can check,
+layer by layer, that replayed routes use the recorded experts and every other route the native
+ones. Multi-rank layouts are in ``test_parallel_layouts.py``.
+"""
+
+import pytest
+
+pytest.importorskip("verl.protocol", reason="verl 0.9.1 is not installed here: build it with .ci/verl-env.sh")
+pytest.importorskip("megatron.core", reason="megatron-core is not installed here: build it with .ci/verl-env.sh")
+
+import torch  # noqa: E402
+
+from ablate.budget import count_for  # noqa: E402
+from replay_routers import (  # noqa: E402
+    NUM_EXPERTS,
+    NUM_LAYERS,
+    TOPK,
+    as_map,
+    batch,
+    call,
+    hook_installer,
+    left_padded,
+    native_of,
+    record,
+    replay,
+    router_model,
+)
+
+pytestmark = pytest.mark.verl
+routers = pytest.fixture(scope="module")(router_model)
+hooked = pytest.fixture()(hook_installer)
+
+
+def expected_mask(hook, recorded, valid, offsets, native=None):
+    """The mask the hook's own settings select, computed apart with a freshly built policy."""
+    from ablate.backends.verl.selection import select_micro_batch
+
+    policy, _ = hook.settings.policy.build(NUM_LAYERS, NUM_EXPERTS)
+    has_native = None if native is None else torch.ones(recorded.shape[0], dtype=torch.bool)
+    return select_micro_batch(policy, hook.budget, hook.settings.seed, recorded, valid, offsets, NUM_EXPERTS,
+                              native=native, has_native=has_native).mask
+
+
+def check_layer_by_layer(maps, recorded, logits, mask, valid):
+    native = native_of(logits)
+    for layer in range(NUM_LAYERS):
+        replayed = valid & mask[:, layer]
+        assert torch.equal(maps[replayed, layer], as_map(recorded[replayed, layer])), f"layer {layer}: replayed routes"
+        assert torch.equal(maps[~replayed, layer], as_map(native[~replayed, layer])), f"layer {layer}: native routes"
+
+
+@pytest.mark.parametrize("policy,budget", [("random", 0.4), ("uniform", 0.5), ("fisher", 0.3), ("mismatch", 0.5),
+                                           ("full", None), ("none", None)])
+def test_masked_routes_replay_recorded_and_unmasked_routes_stay_native(routers, hooked, policy, budget):
+    model, config = routers
+    generator = torch.Generator().manual_seed(1)
+    lengths, response_lengths = [9, 5, 12], [4, 2, 6]
+    record_logits = torch.randn(NUM_LAYERS, sum(lengths), NUM_EXPERTS, generator=generator)
+    replay_logits = record_logits + 0.8 * torch.randn(NUM_LAYERS, sum(lengths), NUM_EXPERTS, generator=generator)
+    recorded = record(model, record_logits)
+    input_ids, response_mask = batch(lengths, response_lengths, generator)
+    routes = torch.nested.nested_tensor_from_jagged(recorded.to(torch.int16), offsets=input_ids.offsets())
+    hook = hooked(policy, budget, seed=3)
+
+    call(hook, config, routes, input_ids, forward_only=True)
+    maps, valid = replay(model, config, routes, input_ids, response_mask, replay_logits)
+    assert hook.end_call() is None  # the old-log-prob pass reports nothing
+    # mismatch routes its first pass natively: that pass records the native routes it selects on.
+    native = native_of(replay_logits) if policy == "mismatch" else None
+    first = torch.zeros(valid.shape[0], NUM_LAYERS, dtype=torch.bool) if native is not None else None
+    if first is None:
+        first = expected_mask(hook, recorded, valid, input_ids.offsets())
+    check_layer_by_layer(maps, recorded, replay_logits, first, valid)
+
+    call(hook, config, routes, input_ids, forward_only=False)
+    maps, valid = replay(model, config, routes, input_ids, response_mask, replay_logits)
+    metrics = hook.end_call()
+    mask = expected_mask(hook, recorded, valid, input_ids.offsets(), native=native)
+    check_layer_by_layer(maps, recorded, replay_logits, mask, valid)
+    if policy in ("random", "uniform", "fisher", "mismatch"):
+        assert any(not torch.equal(mask[:, 0], mask[:, layer]) for layer in range(1, NUM_LAYERS)), "mask is per layer"
+    if policy == "mismatch":
+        # Mismatched routes are replayed first: either every replayed route overrides the native
+        # one, or every mismatched route is replayed.
+        assert metrics["replay/override_rate"] == 1.0 or metrics["routing/mismatch_recall"] == 1.0
+        assert metrics["routing/residual_mismatch_rate"] < metrics["routing/route_mismatch_rate"]
+    bounds = input_ids.offsets().tolist()
+    per_sequence = [int(valid[start:end].sum()) * NUM_LAYERS for start, end in zip(bounds[:-1], bounds[1:])]
+    assert metrics["replay/valid_routes"] == sum(per_sequence)
+    assert metrics["replay/replayed_routes"] == sum(count_for(hook.budget, n) for n in per_sequence) == int(mask.sum())
+    assert metrics["replay/unrecorded_routes"] == 0
+    assert metrics["routing/route_mismatch_rate"] > 0
+
+
+def test_fisher_scores_come_from_router_logit_gradients(routers, hooked):
+    from verl.utils.megatron.router_replay_patch import RouterReplayAction
+    from verl.utils.megatron.router_replay_utils import align_r3_router_replay_data, set_model_router_replay_action
+    from verl.workers.engine.megatron import transformer_impl as ti
+
+    model, config = routers
+    generator = torch.Generator().manual_seed(2)
+    lengths, response_lengths = [7, 10], [3, 5]
+    tokens = sum(lengths)
+    logits = torch.randn(NUM_LAYERS, tokens, NUM_EXPERTS, generator=generator)
+    recorded = record(model, logits)
+    input_ids, response_mask = batch(lengths, response_lengths, generator)
+    routes = torch.nested.nested_tensor_from_jagged(recorded.to(torch.int16), offsets=input_ids.offsets())
+    hook = hooked("fisher", 0.25, seed=0, decay=0.5)
+
+    call(hook, config, routes, input_ids, forward_only=False)
+    train_logits = logits.clone().requires_grad_(True)
+    set_model_router_replay_action(model, RouterReplayAction.REPLAY_FORWARD)
+    mask = ti.build_r3_replay_mask(input_ids, response_mask)
+    ti.set_router_replay_data(align_r3_router_replay_data(routes, input_ids), None, config, 0, replay_mask=mask, model=model)
+    weights = torch.randn(tokens, NUM_EXPERTS, generator=generator)
+    loss = sum((r.routing(train_logits[i][:, None, :])[0] * weights).sum() for i, r in enumerate(model.decoder))
+    loss.backward()
+    for router in model.decoder:
+        router.router_replay.clear_indices()
+        router.router_replay.clear_router_replay_action()
+    assert not hook.tracker.has_estimate
+    metrics = hook.end_call()  # the step's last update call closes the Fisher step
+    assert metrics["replay/fisher_fallback"] == 1.0
+    assert hook.tracker.has_estimate
+    rows = mask.values()
+    expected = train_logits.grad.square()[:, rows].sum(1) / rows.sum()
+    assert torch.allclose(hook.tracker.estimate(), expected.float(), rtol=1e-5, atol=1e-8)
+
+    call(hook, config, routes, input_ids, forward_only=False)
+    replay(model, config, routes, input_ids, response_mask, logits)
+    metrics = hook.end_call()
+    assert metrics["replay/fisher_fallback"] == 0.0
+    fisher_mask = expected_mask(hook, recorded, rows, input_ids.offsets())
+    # The estimate ranks the routes: the selection holds more Fisher mass than its share of routes.
+    assert metrics["replay/fisher_mass"] > metrics["replay/budget_realized"]
+    assert int(fisher_mask.sum()) == metrics["replay/replayed_routes"]
+
+
+def test_left_padded_batch_through_verl_thd_path(routers, hooked):
+    """verl's own no-padding conversion, R3 alignment and packing, with per-layer masks."""
+    from tensordict import TensorDict
+
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    model, config = routers
+    generator = torch.Generator().manual_seed(5)
+    lengths, seq_len, response_len = [6, 11, 3, 9], 12, 4
+    routed, attention_mask = left_padded(lengths, seq_len, generator)
+    data = TensorDict(
+        {
+            "input_ids": torch.randint(0, 100, (len(lengths), seq_len), generator=generator),
+            "attention_mask": attention_mask,
+            "response_mask": attention_mask[:, -response_len:].clone(),
+            "position_ids": torch.arange(seq_len).expand(len(lengths), seq_len).clone(),
+            "routed_experts": routed,
+        },
+        batch_size=[len(lengths)],
+    )
+    data = left_right_2_no_padding(data)
+    logits = torch.randn(NUM_LAYERS, int(attention_mask.sum()), NUM_EXPERTS, generator=generator)
+    hook = hooked("random", 0.5, seed=11)
+    call(hook, config, data["routed_experts"], data["input_ids"], forward_only=True)
+    maps, valid = replay(model, config, data["routed_experts"], data["input_ids"], data["response_mask"], logits)
+    hook.end_call()
+
+    recorded = routed[attention_mask.bool()]  # left padding removed, batch order: verl's packed rows
+    mask = expected_mask(hook, recorded, valid, data["input_ids"].offsets())
+    check_layer_by_layer(maps, recorded, logits, mask, valid)
+    assert mask.any() and not mask.all()
+
+
+def test_batches_plain_r3_accepts_are_accepted(routers, hooked):
+    """A final-token placeholder, a multi-turn gap of zeros and a sequence without a response.
+
+    verl's plain R3 replays all of them (zeros included); the hook replays none of the routes
+    the rollout did not record, counts them apart, and spends the budget on the recorded ones.
+    """
+    model, config = routers
+    generator = torch.Generator().manual_seed(9)
+    lengths, response_lengths = [10, 8, 6], [5, 4, 0]
+    logits = torch.randn(NUM_LAYERS, sum(lengths), NUM_EXPERTS, generator=generator)
+    recorded = record(model, logits)
+    input_ids, response_mask = batch(lengths, response_lengths, generator)
+    bounds = input_ids.offsets().tolist()
+    # The rollout records no route for each final token (align_r3 appends the zero placeholder)
+    # and none for tokens 3..5 of the first sequence (a tool response between two turns).
+    parts = [recorded[start : end - 1].to(torch.int16) for start, end in zip(bounds[:-1], bounds[1:])]
+    parts[0][3:6] = 0
+    routes = torch.nested.as_nested_tensor(parts, layout=torch.jagged)
+    hook = hooked("random", 0.5, seed=4)
+
+    call(hook, config, routes, input_ids, forward_only=False)
+    maps, r3_valid = replay(model, config, routes, input_ids, response_mask, logits)
+    metrics = hook.end_call()
+    gap = torch.zeros(sum(lengths), dtype=torch.bool)
+    gap[3:6] = True
+    valid = r3_valid & ~gap
+    assert metrics["replay/valid_routes"] == int(valid.sum()) * NUM_LAYERS == (9 - 3 + 7) * NUM_LAYERS
+    assert metrics["replay/unrecorded_routes"] == (3 + len(lengths)) * NUM_LAYERS  # the gap and the placeholders
+    mask = expected_mask(hook, recorded, valid, input_ids.offsets())
+    check_layer_by_layer(maps, recorded, logits, mask, valid)  # gap, placeholders: native routes
+    assert int(mask.sum()) == metrics["replay/replayed_routes"] > 0
+
+
+def test_selection_skips_dense_columns_and_unrecorded_routes():
+    """Routes of every transformer layer (a dense first layer), as the rollout reports them."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from ablate.backends.verl.selection import layer_columns, recorded_routes, select_micro_batch
+    from ablate.policies import get_policy
+
+    config = TransformerConfig(num_layers=4, hidden_size=16, num_attention_heads=2, num_moe_experts=NUM_EXPERTS,
+                               moe_router_topk=TOPK, moe_layer_freq=[0, 1, 1, 1])
+    assert layer_columns(config, 4) == (None, 1, 2, 3)  # one column per layer: by global layer
+    assert layer_columns(config, 3) == (None, 0, 1, 2)  # MoE layers only: by MoE ordinal
+    routes = torch.tensor([[[0, 0], [1, 2], [3, 4], [5, 6]], [[0, 0], [1, 1], [2, 3], [4, 5]],
+                           [[0, 0], [0, 0], [0, 0], [0, 0]], [[0, 0], [7, 8], [1, 2], [3, 4]]], dtype=torch.int16)
+    moe = routes[:, [1, 2, 3]]
+    assert recorded_routes(moe, NUM_EXPERTS).tolist() == [[True] * 3, [False, True, True], [False] * 3,
+                                                          [False, True, True]]  # duplicate, zeros, id 8 of 8
+    selection = select_micro_batch(get_policy("full"), 1.0, 0, moe, torch.ones(4, dtype=torch.bool),
+                                   torch.tensor([0, 2, 4]), NUM_EXPERTS)
+    assert selection.valid.tolist() == [True, False, False, False]
+    assert selection.mask.tolist() == [[True] * 3, [False] * 3, [False] * 3, [False] * 3]
+    assert selection.unrecorded == 5
+
+
+def test_routes_from_verl_matches_verl_alignment():
+    from verl import DataProto
+    from verl.utils.megatron.router_replay_utils import align_r3_router_replay_data
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    from ablate.routes import Routes
+
+    generator = torch.Generator().manual_seed(7)
+    routed, attention_mask = left_padded([4, 9, 2], 10, generator)
+    proto = DataProto.from_dict(
+        tensors={
+            "input_ids": torch.randint(0, 100, (3, 10), generator=generator),
+            "attention_mask": attention_mask,
+            "response_mask": attention_mask[:, -3:].clone(),
+            "position_ids": torch.arange(10).expand(3, 10).clone(),
+            "routed_experts": routed,
+        }
+    )
+    routes = Routes.from_verl(proto.batch["routed_experts"], proto.batch["attention_mask"], num_experts=NUM_EXPERTS)
+    nested = left_right_2_no_padding(proto.batch.clone())
+    aligned = align_r3_router_replay_data(nested["routed_experts"], nested["input_ids"])
+    assert torch.equal(routes.rollout[routes.valid], aligned.values())
+    assert routes.to_verl(3, 10).equal(routed)
+
+
+@pytest.mark.parametrize("topk", range(1, 10))
+def test_recorded_routes_agree_with_a_set_per_route(topk):
+    """Distinct and in-range ids, against Python's sets, for odd and even top-k (cyclic shifts)."""
+    from ablate.backends.verl.selection import recorded_routes
+
+    experts = 12
+    ids = torch.randint(-1, experts + 1, (3000, 3, topk), generator=torch.Generator().manual_seed(topk), dtype=torch.int16)
+    expected = [[len(set(route)) == topk and all(0 <= e < experts for e in route) for route in token] for token in ids.tolist()]
+    assert recorded_routes(ids, experts).tolist() == expected
