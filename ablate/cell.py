@@ -16,7 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ablate.budget import FIXED_BUDGETS, check_budget
-from ablate.config import BackendConfig, FisherEstimateConfig, choice_value
+from ablate.config import AppConfig, BackendConfig, ConfigError, FisherEstimateConfig, choice_value
 from ablate.diagnostics import SCHEMA_VERSION
 from ablate.fisher import FisherTracker
 from ablate.policies import ReplayPolicy, available_policies, get_policy
@@ -25,8 +25,7 @@ from ablate.policies import ReplayPolicy, available_policies, get_policy
 NOT_IDENTITY = ("tracking", "store_dir", "sweep", "objective", "hydra")
 
 
-class ConfigError(ValueError):
-    """A config that cannot describe a cell (unknown policy, a budget outside [0, 1], ...)."""
+__all__ = ["Cell", "ConfigError", "cell_from_config", "cell_name", "policy_for", "resolved_config"]
 
 
 @dataclass(frozen=True)
@@ -81,10 +80,17 @@ def resolved_budget(cfg: DictConfig) -> float:
 
 
 def cell_from_config(cfg: DictConfig) -> Cell:
-    """Validate a composed config and turn it into a :class:`Cell`, before any work starts."""
+    """Validate every value of a composed config and turn it into a :class:`Cell`, before any work.
+
+    The checks: each config section's ``check()`` (``ablate.config``), the policy name, the
+    budget against the policy, and the policy's own settings through ``get_policy``.
+    """
     name = cfg.policy.name
     if name not in available_policies():
         raise ConfigError(f"policy.name={name!r}: expected one of {', '.join(available_policies())}")
+    app = OmegaConf.to_object(cfg)
+    assert isinstance(app, AppConfig)
+    app.check()
     budget = resolved_budget(cfg)
     policy_cfg = OmegaConf.to_container(cfg.policy, resolve=True, enum_to_str=True)
     assert isinstance(policy_cfg, dict)
@@ -96,8 +102,7 @@ def cell_from_config(cfg: DictConfig) -> Cell:
     resolved = resolved_config(cfg)
     identity = {k: v for k, v in resolved.items() if k not in NOT_IDENTITY}
     cell_id = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
-    backend = OmegaConf.to_object(cfg.backend)
-    fisher = OmegaConf.to_object(cfg.policy.fisher)
+    backend, fisher = app.backend, app.policy.fisher
     assert isinstance(backend, BackendConfig) and isinstance(fisher, FisherEstimateConfig)
     return Cell(
         backend=backend, policy=name, policy_settings=settings, fisher=fisher, budget=budget, seed=int(cfg.seed),

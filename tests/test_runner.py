@@ -113,7 +113,7 @@ def test_failing_cell_is_recorded_with_error_and_traceback(tmp_path, monkeypatch
     [
         ("budget=2", r"budget=2.0 in policy=fisher: expected a fraction in \[0, 1\]"),
         ("budget=nan", "budget=nan in policy=fisher"),
-        ("policy.tau=-1", "tau=-1.0 in policy=fisher: expected a temperature >= 0"),
+        ("policy.tau=-1", r"policy.tau=-1.0: expected a finite temperature >= 0"),
     ],
 )
 def test_bad_values_fail_before_any_work(tmp_path, override, message):
@@ -144,8 +144,7 @@ def test_bad_overrides_on_the_command_line(tmp_path, override, message):
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert result.returncode != 0
     assert message in result.stderr + result.stdout
-    assert not any(p.name != "adhoc" for p in tmp_path.iterdir())
-    assert not list(tmp_path.glob("adhoc/*-*"))  # no cell directory was created
+    assert {p.name for p in tmp_path.iterdir()} <= {"_hydra"}  # Hydra's own log folder, no sweep, no cell
 
 
 def test_cell_identity_is_stable_and_ignores_tracking(tmp_path):
