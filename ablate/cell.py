@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -91,15 +91,14 @@ def cell_from_config(cfg: DictConfig) -> Cell:
     app = OmegaConf.to_object(cfg)
     assert isinstance(app, AppConfig)
     app.check()
-    budget = resolved_budget(cfg)
-    policy_cfg = OmegaConf.to_container(cfg.policy, resolve=True, enum_to_str=True)
-    assert isinstance(policy_cfg, dict)
+    resolved = resolved_config(cfg)
+    budget = resolved["budget"]
+    policy_cfg = resolved["policy"]
     settings = {k: v for k, v in policy_cfg.items() if k not in ("name", "fisher")}
     try:
         get_policy(name, **settings)  # checks the settings now rather than in the middle of a run
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    resolved = resolved_config(cfg)
     identity = {k: v for k, v in resolved.items() if k not in NOT_IDENTITY}
     cell_id = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
     backend, fisher = app.backend, app.policy.fisher
@@ -125,8 +124,7 @@ def variant_of(policy: str, settings: dict[str, Any], fisher: dict[str, Any]) ->
     }
     changed = [f"{k}={v}" for k, v in sorted(settings.items()) if k in defaults and defaults[k] != v]
     if policy == "fisher":
-        base = OmegaConf.to_container(OmegaConf.structured(FisherEstimateConfig), enum_to_str=True)
-        assert isinstance(base, dict)
+        base = {f.name: choice_value(getattr(FisherEstimateConfig(), f.name)) for f in fields(FisherEstimateConfig)}
         changed += [f"fisher.{k}={v}" for k, v in sorted(fisher.items()) if base.get(k) != v]
     return ",".join(changed)
 

@@ -478,7 +478,22 @@ class CellRecorder:
             "status": state.value, "finished_at": now(), "warnings": list(self.warnings),
             "error": None if error is None else describe_error(error), "traceback": tb,
         })
-        atomic_write_json(self.dir / STATUS_FILE, self._status)
+        path = self.dir / STATUS_FILE
+        try:
+            atomic_write_json(path, self._status)
+        except OSError as failure:
+            if not is_disk_full(failure) or state is CellState.COMPLETE:
+                raise
+            # A full disk has no room for a temporary copy, but the old status file has room for a
+            # short new one. Rewritten in place: a crash in that instant leaves it unreadable,
+            # which every reader treats as damage to rerun, as it would treat "running".
+            short = {**self._status, "traceback": None, "warnings": self._status["warnings"][-3:]}
+            data = (json.dumps(_json_safe(short), sort_keys=True, default=str) + "\n").encode()
+            with open(path, "r+b") as handle:
+                handle.write(data)
+                handle.truncate()
+                handle.flush()
+                os.fsync(handle.fileno())
 
 
 def describe_error(error: BaseException) -> str:

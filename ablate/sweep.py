@@ -242,17 +242,18 @@ def tally(planned: Sequence[PlannedCell]) -> Tally:
             counts["skipped"] += 1
             continue
         ended, view = outcome(cell)
-        name = f"{cell.cell.name} ({cell.directory})"
+        name, where = cell.cell.name, cell.directory
         if ended == DONE:
             counts["complete"] += 1
         elif ended == INTERRUPTED:
             counts[INTERRUPTED] += 1
-            problems.append(f"interrupted: {name}: {view.detail or 'interrupted'}; a rerun of the sweep runs it again")
+            problems.append(f"interrupted: {name}: {view.detail or 'interrupted'} ({where}); a rerun of the sweep "
+                            "runs it again")
         elif ended == FAILED:
             counts["failed"] += 1
-            problems.append(f"failed: {name}: {view.detail or view.state.value}")
+            problems.append(f"failed: {name}: {view.detail or view.state.value} ({where})")
         else:
             counts["not run"] += 1
-            why = view.detail or "the launcher did not run it"
-            problems.append(f"not run: {name}: {why}; a rerun of the sweep runs it")
+            problems.append(f"not run: {name}: {view.detail or 'the launcher did not run it'} ({where}); a rerun "
+                            "of the sweep runs it")
     return Tally(counts, problems)

@@ -21,7 +21,8 @@ from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import DictConfig, OmegaConf, open_dict
+from hydra.core.override_parser.types import Override
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 log = logging.getLogger(__name__)
 
@@ -43,25 +44,35 @@ ConfigStore.instance().store(group="hydra/sweeper", name="ablate_grid", node=Abl
 
 
 class JobComposer:
-    """Composes the app config of each job of a grid, the way Hydra would, but once per group choice.
+    """Composes the app config of each job of a grid as Hydra would, but once per group choice.
 
     Hydra composes a job in two phases: overrides of config groups (``policy=fisher``) choose the
     defaults list, then the other overrides (``budget=0.1``, ``policy.tau=1``) are applied to the
-    composed config. A grid has few group choices and many values, so the first phase is cached
-    per set of group overrides and the second is Hydra's own ``_apply_overrides_to_config`` on a
-    copy. Which override is a group override is decided as Hydra decides it
-    (``repository.group_exists``).
+    composed config with ``_apply_overrides_to_config``. A grid has few group choices and many
+    values, so the first phase is cached per set of group overrides, and the second is Hydra's own
+    function applied to the cached config, whose previous values are put back at the next call
+    (copying an OmegaConf config per job would cost more than the rest of planning). Which
+    override is a group override is decided as Hydra decides it (``repository.group_exists``).
+
+    The returned config is valid until the next call.
     """
 
     def __init__(self, master: DictConfig, config_loader: ConfigLoaderImpl) -> None:
         self.master, self.loader = master, config_loader
         self.parser = OverridesParser.create(config_loader=config_loader)
+        self._parsed: dict[str, Override] = {}
         self._composed: dict[tuple[str, ...], DictConfig] = {}
+        self._undo: list[tuple[DictConfig, str, Any]] = []
+
+    def parse(self, override: str) -> Override:
+        if override not in self._parsed:
+            self._parsed[override] = self.parser.parse_override(override)
+        return self._parsed[override]
 
     def __call__(self, overrides: list[str]) -> DictConfig:
-        parsed = self.parser.parse_overrides(overrides)
+        self._restore()
         groups, values = [], []
-        for override in parsed:
+        for override in map(self.parse, overrides):
             is_group = self.loader.repository.group_exists(override.key_or_group)
             (values if isinstance(override.value(), dict) or not is_group else groups).append(override)
         key = tuple(o.input_line for o in groups if o.input_line is not None)
@@ -70,9 +81,34 @@ class JobComposer:
             with open_dict(composed):
                 del composed["hydra"]
             self._composed[key] = composed
-        cfg = copy.deepcopy(self._composed[key])
+        cfg = self._composed[key]
+        if not all(self._replaces_a_value(cfg, o) for o in values):
+            cfg = copy.deepcopy(cfg)  # adds, deletions and containers: nothing to put back
+        else:
+            for override in values:
+                parent, leaf = self._parent(cfg, override.key_or_group)
+                self._undo.append((parent, leaf, parent._get_node(leaf)._value()))
         ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
         return cfg
+
+    @staticmethod
+    def _parent(cfg: DictConfig, key: str) -> tuple[DictConfig, str]:
+        head, _, leaf = key.rpartition(".")
+        return (OmegaConf.select(cfg, head) if head else cfg), leaf
+
+    def _replaces_a_value(self, cfg: DictConfig, override: Override) -> bool:
+        """A plain ``key=value`` on an existing leaf: the one kind of change that is put back."""
+        if override.is_add() or override.is_force_add() or override.is_delete():
+            return False
+        parent, leaf = self._parent(cfg, override.key_or_group)
+        if not isinstance(parent, DictConfig) or leaf not in parent:
+            return False
+        return not isinstance(parent._get_node(leaf), (DictConfig, ListConfig))
+
+    def _restore(self) -> None:
+        while self._undo:
+            parent, leaf, raw = self._undo.pop()
+            parent[leaf] = raw
 
 
 class AblateGridSweeper(BasicSweeper):
