@@ -34,8 +34,9 @@ from ablate.budget import FIXED_BUDGETS
 from ablate.cell import Cell, ConfigError, cell_from_config
 from ablate.store import CellState, CellView, inspect_cell, sweep_dir
 
-#: How a launched cell ended up, for progress and the tally (``left``: no newer attempt yet).
-DONE, RUNNING, FAILED, INTERRUPTED, LEFT = "done", "running", "failed", "interrupted", "left"
+#: The words progress lines use for the states of the cells a sweep launches or waits for.
+PROGRESS_WORDS = {CellState.COMPLETE: "done", CellState.RUNNING: "running", CellState.FAILED: "failed",
+                  CellState.INTERRUPTED: "interrupted", CellState.NEW: "left"}
 
 
 @dataclass(frozen=True)
@@ -100,25 +101,25 @@ def describe_plan(sweep: str, planned: Sequence[PlannedCell]) -> str:
     return f"sweep {sweep}: {len(planned)} cells: " + ", ".join(parts)
 
 
-def outcome(cell: PlannedCell) -> tuple[str, CellView]:
-    """What became of a launched or waited-for cell, from the run store alone.
+def outcome(cell: PlannedCell) -> tuple[CellState, CellView]:
+    """What became of a launched or waited-for cell in this sweep, from the run store alone.
 
-    A status counts only once its attempt is newer than the one found when the sweep was planned
-    (an old failure waiting for its rerun is ``left``), except for a cell another worker was
-    already running, whose current attempt is the one this sweep waits for.
+    One of COMPLETE, RUNNING, FAILED, INTERRUPTED, or NEW for a cell that this sweep has not (re)run
+    (yet). A status counts only once its attempt is newer than the one found when the sweep was
+    planned (an old failure waiting for its rerun is NEW here), except for a cell another worker
+    was already running, whose current attempt is the one this sweep waits for. An attempt that
+    ended damaged or whose worker died (CORRUPT, UNFINISHED) counts as FAILED; the view says which.
     """
     view = inspect_cell(cell.directory, cell.cell.cell_id)
-    if view.state is CellState.COMPLETE:
-        return DONE, view
-    if view.state is CellState.RUNNING:
-        return RUNNING, view
+    if view.state in (CellState.COMPLETE, CellState.RUNNING):
+        return view.state, view
     if view.attempt <= cell.prior.attempt and not cell.waited_for:
-        return LEFT, view
+        return CellState.NEW, view
     if view.state is CellState.INTERRUPTED:
-        return INTERRUPTED, view
+        return view.state, view
     if view.state in (CellState.NEW, CellState.UNFINISHED) and cell.waited_for:
-        return LEFT, view  # its worker stopped without a result
-    return FAILED, view
+        return CellState.NEW, view  # its worker stopped without a result
+    return CellState.FAILED, view
 
 
 def tracked(planned: Sequence[PlannedCell]) -> list[PlannedCell]:
@@ -126,14 +127,14 @@ def tracked(planned: Sequence[PlannedCell]) -> list[PlannedCell]:
     return [cell for cell in planned if cell.to_launch or cell.waited_for]
 
 
-def current_counts(planned: Sequence[PlannedCell]) -> Counter[str]:
-    """done / running / failed / interrupted / left among the cells this sweep launches or waits for."""
+def current_counts(planned: Sequence[PlannedCell]) -> Counter[CellState]:
+    """How many of the cells this sweep launches or waits for are in each :func:`outcome` state."""
     return Counter(outcome(cell)[0] for cell in tracked(planned))
 
 
 def wait_for_others(planned: Sequence[PlannedCell], interval: float) -> None:
     """Block while a cell of the sweep is held by a live worker (another sweep, another host)."""
-    while any(outcome(cell)[0] == RUNNING for cell in tracked(planned)):
+    while any(outcome(cell)[0] is CellState.RUNNING for cell in tracked(planned)):
         time.sleep(interval)
 
 
@@ -143,21 +144,23 @@ def format_duration(seconds: float) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
-def progress_line(sweep: str, counts: Counter[str], elapsed: float) -> str:
+def finished(counts: Counter[CellState]) -> int:
+    return counts[CellState.COMPLETE] + counts[CellState.FAILED] + counts[CellState.INTERRUPTED]
+
+
+def progress_line(sweep: str, counts: Counter[CellState], elapsed: float) -> str:
     """``sweep s: 7 done, 1 running, 0 failed, 12 left [0:35 elapsed, 5.0 s/cell, ETA 1:00]``.
 
     The rate counts cells that ended in this sweep; the ETA spreads the remaining ones (running
     included) at that rate, so it holds for parallel launchers too.
     """
-    finished = counts[DONE] + counts[FAILED] + counts[INTERRUPTED]
-    remaining = counts[RUNNING] + counts[LEFT]
+    remaining = counts[CellState.RUNNING] + counts[CellState.NEW]
     timing = f"{format_duration(elapsed)} elapsed"
-    if finished and remaining:
-        per_cell = elapsed / finished
+    if finished(counts) and remaining:
+        per_cell = elapsed / finished(counts)
         timing += f", {per_cell:.1f} s/cell, ETA {format_duration(per_cell * remaining)}"
-    interrupted = f", {counts[INTERRUPTED]} interrupted" if counts[INTERRUPTED] else ""
-    return (f"sweep {sweep}: {counts[DONE]} done, {counts[RUNNING]} running, {counts[FAILED]} failed{interrupted}, "
-            f"{counts[LEFT]} left [{timing}]")
+    shown = [state for state in PROGRESS_WORDS if counts[state] or state is not CellState.INTERRUPTED]
+    return f"sweep {sweep}: " + ", ".join(f"{counts[state]} {PROGRESS_WORDS[state]}" for state in shown) + f" [{timing}]"
 
 
 class ProgressReporter:
@@ -206,21 +209,30 @@ class ProgressReporter:
     def report(self) -> None:
         counts = current_counts(self.planned)
         if self._bar is not None:
-            self._bar.n = counts[DONE] + counts[FAILED] + counts[INTERRUPTED]
-            self._bar.set_postfix_str(f"{counts[RUNNING]} running, {counts[FAILED]} failed", refresh=False)
+            self._bar.n = finished(counts)
+            self._bar.set_postfix_str(f"{counts[CellState.RUNNING]} running, {counts[CellState.FAILED]} failed",
+                                      refresh=False)
             self._bar.refresh()
             return
-        key = (counts[DONE], counts[RUNNING], counts[FAILED], counts[INTERRUPTED], counts[LEFT])
+        key = tuple(counts[state] for state in PROGRESS_WORDS)
         if key != self._last:
             self._last = key
             print(progress_line(self.sweep, counts, self.elapsed), file=self.stream, flush=True)
 
 
+#: The words of the final tally: cells complete before the sweep are "skipped", and a cell the
+#: sweep did not manage to run is "not run".
+TALLY_WORDS = {CellState.COMPLETE: "complete", CellState.FAILED: "failed", CellState.INTERRUPTED: "interrupted",
+               CellState.NEW: "not run"}
+
+
 @dataclass(frozen=True)
 class Tally:
-    """The final count of a sweep, and one line per cell that did not complete."""
+    """The final count of a sweep (by :func:`outcome` state, plus ``skipped``), and one line per
+    cell that did not complete."""
 
-    counts: Counter[str]
+    counts: Counter[CellState]
+    skipped: int
     problems: list[str]
 
     @property
@@ -228,32 +240,26 @@ class Tally:
         return not self.problems
 
     def line(self, sweep: str, elapsed: float, where: Path | None) -> str:
-        extra = "".join(f", {self.counts[key]} {key}" for key in (INTERRUPTED, "not run") if self.counts[key])
-        return (f"sweep {sweep}: {self.counts['complete']} complete, {self.counts['failed']} failed{extra}, "
-                f"{self.counts['skipped']} skipped in {format_duration(elapsed)} (results under {where or '-'})")
+        parts = [f"{self.counts[state]} {word}" for state, word in TALLY_WORDS.items()
+                 if self.counts[state] or state in (CellState.COMPLETE, CellState.FAILED)]
+        return (f"sweep {sweep}: {', '.join(parts)}, {self.skipped} skipped in {format_duration(elapsed)} "
+                f"(results under {where or '-'})")
 
 
 def tally(planned: Sequence[PlannedCell]) -> Tally:
     """Count every cell by its state in the store; a cell that did not run never counts as done."""
-    counts: Counter[str] = Counter()
+    counts: Counter[CellState] = Counter()
     problems = []
-    for cell in planned:
-        if not (cell.to_launch or cell.waited_for):
-            counts["skipped"] += 1
-            continue
+    for cell in tracked(planned):
         ended, view = outcome(cell)
+        counts[ended] += 1
         name, where = cell.cell.name, cell.directory
-        if ended == DONE:
-            counts["complete"] += 1
-        elif ended == INTERRUPTED:
-            counts[INTERRUPTED] += 1
+        if ended is CellState.INTERRUPTED:
             problems.append(f"interrupted: {name}: {view.detail or 'interrupted'} ({where}); a rerun of the sweep "
                             "runs it again")
-        elif ended == FAILED:
-            counts["failed"] += 1
+        elif ended is CellState.FAILED:
             problems.append(f"failed: {name}: {view.detail or view.state.value} ({where})")
-        else:
-            counts["not run"] += 1
+        elif ended is not CellState.COMPLETE:
             problems.append(f"not run: {name}: {view.detail or 'the launcher did not run it'} ({where}); a rerun "
                             "of the sweep runs it")
-    return Tally(counts, problems)
+    return Tally(counts, len(planned) - len(tracked(planned)), problems)

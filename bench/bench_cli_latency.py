@@ -40,6 +40,7 @@ def timed(command: list[str], cwd: Path, env: dict[str, str], repeats: int) -> f
 
 def used_checkout(root: Path, cells: int) -> Path:
     """A directory with ``.venv/`` (a link to the real one) and a ``runs/`` of ``cells`` cell folders."""
+    root.mkdir(parents=True)
     (root / ".venv").symlink_to(REPO / ".venv" if (REPO / ".venv").exists() else Path(sys.prefix))
     for number in range(cells):
         cell = root / "runs" / f"sweep{number % 10}" / f"random-b0.1-s{number}-0123abcd"

@@ -24,10 +24,6 @@ from ablate.cell import ConfigError
 from ablate.runner import run_cell
 from ablate.store import CellState, read_json
 from ablate.sweep import (
-    DONE,
-    FAILED,
-    LEFT,
-    RUNNING,
     current_counts,
     describe_plan,
     plan_grid,
@@ -133,11 +129,11 @@ def test_the_tally_counts_only_what_the_store_holds(tmp_path):
     with pytest.raises(RuntimeError):
         run_cell(failing)  # another config: its own directory, not counted for this grid
     counts = current_counts(list(planned.values()))
-    assert counts == Counter({LEFT: 3, DONE: 2})
+    assert counts == Counter({CellState.NEW: 3, CellState.COMPLETE: 2})
     result = tally(list(planned.values()))
-    assert result.counts == Counter({"skipped": 1, "complete": 2, "not run": 3})
+    assert result.counts == Counter({CellState.COMPLETE: 2, CellState.NEW: 3}) and result.skipped == 1
+    assert result.line("g", 5.0, tmp_path).startswith("sweep g: 2 complete, 0 failed, 3 not run, 1 skipped in 0:05")
     assert not result.ok and all(p.startswith("not run: random-b") for p in result.problems)
-    assert "results under" in result.line("g", 5.0, tmp_path)
 
 
 def test_a_failed_rerun_is_failed_and_an_old_failure_is_only_left(tmp_path):
@@ -146,12 +142,12 @@ def test_a_failed_rerun_is_failed_and_an_old_failure_is_only_left(tmp_path):
     with pytest.raises(RuntimeError):
         run_cell(compose(jobs[0]))
     (planned,) = plan_grid(jobs, compose)
-    assert planned.prior.state is CellState.FAILED and current_counts([planned]) == Counter({LEFT: 1})
+    assert planned.prior.state is CellState.FAILED and current_counts([planned]) == Counter({CellState.NEW: 1})
     with pytest.raises(RuntimeError):
         run_cell(compose(jobs[0]))
-    assert current_counts([planned]) == Counter({FAILED: 1})
+    assert current_counts([planned]) == Counter({CellState.FAILED: 1})
     result = tally([planned])
-    assert result.counts == Counter({"failed": 1})
+    assert result.counts == Counter({CellState.FAILED: 1})
     assert "PlannedFailure: noop backend: seed 1 is in fail_seeds=[1]" in result.problems[0]
 
 
@@ -167,20 +163,22 @@ def test_a_cell_running_elsewhere_is_waited_for_and_counted_by_its_result(tmp_pa
         while cell_dir is None or not (cell_dir / "records.jsonl").exists():
             cell_dir = next(iter((store / "adhoc").glob("random-*")), None) if (store / "adhoc").exists() else None
         (planned,) = plan_grid([job], compose)
-        assert planned.prior.state is CellState.RUNNING and current_counts([planned]) == Counter({RUNNING: 1})
+        assert planned.prior.state is CellState.RUNNING
+        assert current_counts([planned]) == Counter({CellState.RUNNING: 1})
         wait_for_others([planned], interval=0.1)
     finally:
         other.wait(timeout=300)
     result = tally([planned])
-    assert result.ok and result.counts == Counter({"complete": 1})
+    assert result.ok and result.counts == Counter({CellState.COMPLETE: 1})
     assert read_json(planned.directory / "status.json")["attempt"] == 1  # it ran once, elsewhere
 
 
 def test_progress_lines_give_elapsed_time_rate_and_eta():
-    counts = Counter({DONE: 6, FAILED: 1, RUNNING: 2, LEFT: 12})
+    counts = Counter({CellState.COMPLETE: 6, CellState.FAILED: 1, CellState.RUNNING: 2, CellState.NEW: 12})
     assert progress_line("s", counts, 70.0) == (
         "sweep s: 6 done, 2 running, 1 failed, 12 left [1:10 elapsed, 10.0 s/cell, ETA 2:20]")
-    assert progress_line("s", Counter({LEFT: 3}), 5.0) == "sweep s: 0 done, 0 running, 0 failed, 3 left [0:05 elapsed]"
+    assert progress_line("s", Counter({CellState.NEW: 3, CellState.INTERRUPTED: 1}), 5.0) == (
+        "sweep s: 0 done, 0 running, 0 failed, 1 interrupted, 3 left [0:05 elapsed, 5.0 s/cell, ETA 0:15]")
 
 
 # --- the fast composer against Hydra's own composition ---------------------------------------
