@@ -30,7 +30,10 @@ _EXPORTS = {
     "RoutesError": "ablate.routes",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "BudgetError", "FisherTracker", "PolicyError", "ReplayPolicy", "Routes", "RoutesError", "available_policies",
+    "check_budget", "get_policy", "layer_quotas", "register_policy", "replay_count",
+]
 
 if TYPE_CHECKING:
     from ablate.budget import BudgetError, check_budget, layer_quotas, replay_count

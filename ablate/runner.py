@@ -40,7 +40,7 @@ from ablate.store import (
     read_summary,
     sweep_dir,
 )
-from ablate.tracking import start_tracker
+from ablate.tracking import WandbTracker, start_tracker
 
 log = logging.getLogger(__name__)
 
@@ -108,14 +108,11 @@ def run_cell(cfg: DictConfig) -> dict[str, Any]:
 
 def _run_started_cell(cfg: DictConfig, cell: Cell, resolved: dict[str, Any], recorder: CellRecorder,
                       run_id: str) -> dict[str, Any]:
-    tracker = start_tracker(
-        mode=choice_value(cfg.tracking.mode), project=cfg.tracking.project, entity=cfg.tracking.entity,
-        tags=OmegaConf.to_object(cfg.tracking).tag_list(), run_dir=recorder.dir, run_id=run_id, group=cell.sweep, job_type=cell.policy,
-        name=cell.name, config=cell.flat_config(resolved), init_timeout=cfg.tracking.init_timeout,
-    )
-    progress = Progress(cell.name, int(getattr(cell.backend, "steps", 0) or 0),
-                        enabled=cfg.tracking.progress and not in_multirun())
+    """Everything after the cell's files exist runs inside one ``try``: an interrupt while W&B
+    starts is recorded like one in the middle of a step."""
     strict = os.environ.get(STRICT_SCHEMA_ENV) == "1"
+    tracker: WandbTracker | None = None
+    progress: Progress | None = None
 
     def log_step(step: int, record: dict[str, float], native: dict[str, float] | None = None) -> None:
         """One step: schema keys (validated) and backend-native metrics under their own names."""
@@ -123,32 +120,48 @@ def _run_started_cell(cfg: DictConfig, cell: Cell, resolved: dict[str, Any], rec
             recorder.warn(f"step {step}: {problem}")
         combined = {**(native or {}), **record}
         recorder.record(step, combined)
+        assert tracker is not None and progress is not None
         tracker.log(combined, step=step)
         progress.update(step, record)
 
     try:
+        tracker = start_tracker(
+            mode=choice_value(cfg.tracking.mode), project=cfg.tracking.project, entity=cfg.tracking.entity,
+            tags=OmegaConf.to_object(cfg.tracking).tag_list(), run_dir=recorder.dir, run_id=run_id,
+            group=cell.sweep, job_type=cell.policy, name=cell.name, config=cell.flat_config(resolved),
+            init_timeout=cfg.tracking.init_timeout,
+        )
+        progress = Progress(cell.name, int(getattr(cell.backend, "steps", 0) or 0),
+                            enabled=cfg.tracking.progress and not in_multirun())
         os.environ["ABLATE_CELL_DIR"] = str(recorder.dir)  # where a backend keeps its own files
         backend_runner(cell.backend.name)(cell, log_step)
         summary = summarize_records(recorder.records)
-        tracker.finish(summary=summary, exit_code=0)
-        recorder.warnings.extend(tracker.warnings)
+        _close_tracker(tracker, recorder, 0, summary)
         recorder.complete(summary)
     except KeyboardInterrupt as error:
         interrupted = as_interrupted(error)
-        tracker.finish(exit_code=interrupted.exit_status)
-        recorder.warnings.extend(tracker.warnings)
+        _close_tracker(tracker, recorder, interrupted.exit_status)
         recorder.fail(interrupted, None, CellState.INTERRUPTED)
         raise interrupted from None
     except BaseException as error:
-        tracker.finish(exit_code=1)
-        recorder.warnings.extend(tracker.warnings)
+        _close_tracker(tracker, recorder, 1)
         recorder.fail(error, traceback.format_exc())
         raise
     finally:
-        progress.close()
+        if progress is not None:
+            progress.close()
     for warning in recorder.warnings:
         log.warning("%s: %s", cell.name, warning)
     return summary
+
+
+def _close_tracker(tracker: WandbTracker | None, recorder: CellRecorder, exit_code: int,
+                   summary: dict[str, Any] | None = None) -> None:
+    """Finish the W&B run (idempotent) and move its warnings to the cell's status."""
+    if tracker is not None:
+        tracker.finish(summary=summary, exit_code=exit_code)
+        recorder.warnings.extend(tracker.warnings)
+        tracker.warnings.clear()
 
 
 def summarize_records(records) -> dict[str, Any]:

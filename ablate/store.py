@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import socket
 import threading
 import time
@@ -414,8 +415,6 @@ class CellRecorder:
 
     def start(self, cell: Mapping[str, Any], config_yaml: str, attempt: int) -> None:
         """Begin attempt ``attempt``: the previous attempt's records, summary and W&B run go."""
-        import shutil
-
         self.dir.mkdir(parents=True, exist_ok=True)
         for stale in ATTEMPT_FILES:
             (self.dir / stale).unlink(missing_ok=True)

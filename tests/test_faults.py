@@ -220,7 +220,7 @@ def test_kill_9_at_random_points_never_rewrites_a_complete_cell_nor_corrupts_a_f
 def test_two_sweeps_at_once_on_one_store_run_each_cell_once_and_report_no_failure(tmp_path):
     """Issue 14, defect 3: the first sweep used to exit 1 with 'failed: random-b0.5-s0: running'."""
     store = tmp_path / "runs"
-    grid = ["-m", "backend=noop", "backend.steps=100", "backend.step_seconds=0.1", "policy=random",
+    grid = ["-m", "backend=noop", "backend.steps=300", "backend.step_seconds=0.1", "policy=random",
             "budget=0.1,0.5", "seed=0", "sweep=c4", "tracking.mode=disabled", "hydra.sweeper.progress_interval=0.2"]
     first = start(store, *grid)
     wait_for(lambda: (store / "c4").exists() and any(logged_steps(c) for c in cell_dirs(store / "c4")),

@@ -18,7 +18,6 @@ from ablate.tracking import (
     WandbTracker,
     find_offline_runs,
     history_frame,
-    is_complete,
     read_offline_run,
     start_tracker,
 )
