@@ -135,6 +135,8 @@ def _run_started_cell(cfg: DictConfig, cell: Cell, resolved: dict[str, Any], rec
                             enabled=cfg.tracking.progress and not in_multirun())
         os.environ["ABLATE_CELL_DIR"] = str(recorder.dir)  # where a backend keeps its own files
         backend_runner(cell.backend.name)(cell, log_step)
+        if recorder.records.empty:  # a complete cell always has records: the analysis relies on it
+            raise RuntimeError(f"backend={cell.backend.name} returned without logging a step")
         summary = summarize_records(recorder.records)
         _close_tracker(tracker, recorder, 0, summary)
         recorder.complete(summary)

@@ -236,3 +236,13 @@ def test_full_replay_removes_residual_mismatch_and_lowers_kl(tmp_path):
             assert (records["routing/route_mismatch_rate"] > 0).any()  # there is something to fix
     for seed in (0, 1, 2):
         assert kl["full", seed] < kl["none", seed], kl
+
+
+def test_a_backend_that_logs_no_step_fails_its_cell(tmp_path, monkeypatch):
+    """A complete cell always has records, so resume and the analysis can trust 'complete'."""
+    monkeypatch.setitem(BACKENDS, "noop", f"{__name__}:_silent")
+    monkeypatch.setattr(sys.modules[__name__], "_silent", lambda cell, log_step: None, raising=False)
+    cfg = compose_config("backend=noop", "policy=none", "tracking.mode=disabled", store=tmp_path, tiny=False)
+    with pytest.raises(RuntimeError, match="backend=noop returned without logging a step"):
+        run_cell(cfg)
+    assert read_json(only_cell(tmp_path) / "status.json")["status"] == "failed"
