@@ -1,4 +1,4 @@
-# Two commands do all the set-up on a fresh machine with Python 3.10-3.12 and pip:
+# Two commands do all the set-up on a fresh machine with Python 3.10-3.13 and pip:
 #   make demo   runs the main job (a small ablation sweep on the synthetic backend, W&B offline)
 #   make test   runs the tests (fast tier); make test-slow adds the slow tier
 # Each creates and fills .venv on first use. torch comes first, pinned to the CPU wheel, so that
@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-verl bench install clean
+.PHONY: demo test test-slow test-verl test-wheel bench install clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,9 +35,13 @@ test-verl:
 	bash .ci/verl-env.sh
 	.venv-verl/bin/python -m pytest -q tests/verl_tier
 
+test-wheel:
+	PYTHON=$(PYTHON) TORCH_SPEC="$(TORCH_SPEC)" bash .ci/wheel-smoke.sh
+
 bench: $(STAMP)
 	$(BIN)/python bench/bench_policies.py
 	$(BIN)/python bench/bench_sweep_overhead.py
+	$(BIN)/python bench/bench_cli_latency.py
 	$(BIN)/python bench/calibrate_synthetic.py
 
 clean:

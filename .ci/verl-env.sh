@@ -23,7 +23,7 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
     "transformers>=5.5.3,<5.11,!=5.6.0" "omegaconf>=2.2,<2.4" "hydra-core>=1.3.2,<1.4" \
     codetiming cachetools fastapi uvicorn "ray>=2.30,<3" pytest numpy pandas pyarrow peft accelerate datasets dill pybind11 pylatexenc torchdata tensorboard
 # ablate itself, editable, plus the core runtime deps from pyproject.toml (torch is already pinned).
-"${PIP[@]}" torch==2.13.0 "optuna>=4.0" "wandb>=0.31,<0.32" "filelock>=3.12"
+"${PIP[@]}" torch==2.13.0 "optuna>=4.0" "wandb>=0.31" "filelock>=3.12" "psutil>=5.9" "tqdm>=4.66"
 "${PIP[@]}" --no-deps -e "$REPO"
 
 "$VENV/bin/python" - <<'PY'

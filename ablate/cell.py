@@ -10,13 +10,13 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from ablate.budget import FIXED_BUDGETS, check_budget
-from ablate.config import BackendConfig, FisherEstimateConfig, choice_value
+from ablate.config import AppConfig, BackendConfig, ConfigError, FisherEstimateConfig, choice_value
 from ablate.diagnostics import SCHEMA_VERSION
 from ablate.fisher import FisherTracker
 from ablate.policies import PolicySpec, ReplayPolicy, available_policies, get_policy
@@ -25,8 +25,7 @@ from ablate.policies import PolicySpec, ReplayPolicy, available_policies, get_po
 NOT_IDENTITY = ("tracking", "store_dir", "sweep", "objective", "hydra")
 
 
-class ConfigError(ValueError):
-    """A config that cannot describe a cell (unknown policy, a budget outside [0, 1], ...)."""
+__all__ = ["Cell", "ConfigError", "cell_from_config", "cell_name", "policy_for", "resolved_config"]
 
 
 @dataclass(frozen=True)
@@ -88,23 +87,28 @@ def resolved_budget(cfg: DictConfig) -> float:
 
 
 def cell_from_config(cfg: DictConfig) -> Cell:
-    """Validate a composed config and turn it into a :class:`Cell`, before any work starts."""
+    """Validate every value of a composed config and turn it into a :class:`Cell`, before any work.
+
+    The checks: each config section's ``check()`` (``ablate.config``), the policy name, the
+    budget against the policy, and the policy's own settings through ``get_policy``.
+    """
     name = cfg.policy.name
     if name not in available_policies():
         raise ConfigError(f"policy.name={name!r}: expected one of {', '.join(available_policies())}")
-    budget = resolved_budget(cfg)
-    policy_cfg = OmegaConf.to_container(cfg.policy, resolve=True, enum_to_str=True)
-    assert isinstance(policy_cfg, dict)
+    app = OmegaConf.to_object(cfg)
+    assert isinstance(app, AppConfig)
+    app.check()
+    resolved = resolved_config(cfg)
+    budget = resolved["budget"]
+    policy_cfg = resolved["policy"]
     settings = {k: v for k, v in policy_cfg.items() if k not in ("name", "fisher")}
     try:
         get_policy(name, **settings)  # checks the settings now rather than in the middle of a run
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    resolved = resolved_config(cfg)
     identity = {k: v for k, v in resolved.items() if k not in NOT_IDENTITY}
     cell_id = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
-    backend = OmegaConf.to_object(cfg.backend)
-    fisher = OmegaConf.to_object(cfg.policy.fisher)
+    backend, fisher = app.backend, app.policy.fisher
     assert isinstance(backend, BackendConfig) and isinstance(fisher, FisherEstimateConfig)
     return Cell(
         backend=backend, policy=name, policy_settings=settings, fisher=fisher, budget=budget, seed=int(cfg.seed),
@@ -127,8 +131,7 @@ def variant_of(policy: str, settings: dict[str, Any], fisher: dict[str, Any]) ->
     }
     changed = [f"{k}={v}" for k, v in sorted(settings.items()) if k in defaults and defaults[k] != v]
     if policy == "fisher":
-        base = OmegaConf.to_container(OmegaConf.structured(FisherEstimateConfig), enum_to_str=True)
-        assert isinstance(base, dict)
+        base = {f.name: choice_value(getattr(FisherEstimateConfig(), f.name)) for f in fields(FisherEstimateConfig)}
         changed += [f"fisher.{k}={v}" for k, v in sorted(fisher.items()) if base.get(k) != v]
     return ",".join(changed)
 

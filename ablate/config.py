@@ -1,23 +1,61 @@
-"""Structured configs: the schema of every Hydra config, registered in the ConfigStore.
+"""Structured configs: the schema of every Hydra config, and the check of every value.
 
-YAML files under ``conf/`` extend these (``defaults: [base_fisher]``), so a misspelt key or a
-value of the wrong type fails when Hydra composes the config, before any cell starts. Enums
-turn a bad choice (``tracking.mode=ofline``) into an error listing the valid ones.
+Two layers of validation, both before a cell writes anything:
+
+- Composition. The dataclasses are registered in Hydra's ConfigStore as ``base_*`` schemas that
+  the YAML files under ``ablate/conf/`` extend (``defaults: [/base_fisher@_here_]``), so a
+  misspelt key or a value of the wrong type fails when Hydra composes the config. Enums turn a
+  bad choice (``tracking.mode=ofline``) into an error listing the valid ones. The schemas sit at
+  the root of the ConfigStore, outside the ``policy`` and ``backend`` groups, so that ``--help``
+  and tab completion offer only the real choices.
+- Values. Every dataclass has a ``check()`` that raises :class:`ConfigError` naming the config
+  key, its value and what was expected (``backend.topk=9: expected an integer in [1, 8]
+  (backend.experts)``). :func:`ablate.cell.cell_from_config` calls :meth:`AppConfig.check`,
+  which checks every section.
 """
 
 from __future__ import annotations
 
+import math
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 
+class ConfigError(ValueError):
+    """A config value that cannot describe a cell: names the key, the value and what was expected."""
+
+
 def choice_value(choice: Enum | str) -> str:
     """The string behind a config choice: an enum member from a typed node, or a plain string."""
     return choice.value if isinstance(choice, Enum) else choice
+
+
+def require(ok: bool, key: str, value: Any, expected: str) -> None:
+    """Raise ``ConfigError("key=value: expected ...")`` unless ``ok``."""
+    if not ok:
+        shown = choice_value(value) if isinstance(value, Enum) else value
+        raise ConfigError(f"{key}={shown}: expected {expected}")
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def require_int(key: str, value: Any, low: int, high: int | None = None, high_name: str = "") -> None:
+    """An integer in ``[low, high]`` (``high_name`` says where the bound comes from)."""
+    bound = f"[{low}, {high}]" + (f" ({high_name})" if high_name else "") if high is not None else f">= {low}"
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high)
+    require(ok, key, value, f"an integer {'in ' if high is not None else ''}{bound}")
+
+
+def require_positive(key: str, value: Any) -> None:
+    require(is_number(value) and value > 0, key, value, "a finite number > 0")
 
 
 class TrackingMode(str, Enum):
@@ -49,9 +87,17 @@ class ReplayTokens(str, Enum):
 class FisherEstimateConfig:
     """How the per-(layer, expert) Fisher estimate is built (every policy logs its mass)."""
 
+    KEY: ClassVar[str] = "policy.fisher"
+
     estimator: Estimator = Estimator.router_logits
+    #: EMA decay across steps: 0 keeps only the last step; 1 would never update (and the bias
+    #: correction ``1 - decay**t`` would divide by zero), so it is excluded.
     decay: float = 0.9
     normalize: Normalization = Normalization["none"]  # type: ignore[valid-type]
+
+    def check(self) -> None:
+        require(is_number(self.decay) and 0.0 <= self.decay < 1.0, f"{self.KEY}.decay", self.decay,
+                "an EMA decay in [0, 1)")
 
 
 @dataclass
@@ -60,6 +106,9 @@ class PolicyConfig:
 
     name: str = MISSING
     fisher: FisherEstimateConfig = field(default_factory=FisherEstimateConfig)
+
+    def check(self) -> None:
+        self.fisher.check()
 
 
 @dataclass
@@ -72,13 +121,25 @@ class FisherPolicyConfig(BudgetedPolicyConfig):
     name: str = "fisher"
     tau: float = 0.0
 
+    def check(self) -> None:
+        super().check()
+        require(is_number(self.tau) and self.tau >= 0, "policy.tau", self.tau, "a finite temperature >= 0")
+
 
 # --- backends -----------------------------------------------------------------------------
 
 
 @dataclass
 class BackendConfig:
+    KEY: ClassVar[str] = "backend"
+
     name: str = MISSING
+
+    def check(self) -> None:
+        """Each backend checks its own settings; the base has none beyond its name."""
+
+
+ROLLOUT_DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 
 @dataclass
@@ -112,6 +173,26 @@ class SyntheticConfig(BackendConfig):
     extreme_threshold: float = 2.0
     threads: int = 1
 
+    def check(self) -> None:
+        k = self.KEY
+        for name in ("steps", "digits", "tasks", "layers", "experts", "d_model", "heads", "expert_hidden",
+                     "prompts_per_step", "threads"):
+            require_int(f"{k}.{name}", getattr(self, name), 1)
+        require_int(f"{k}.vocab_digits", self.vocab_digits, 2)
+        require_int(f"{k}.topk", self.topk, 1, self.experts, f"{k}.experts")
+        require(self.d_model % self.heads == 0, f"{k}.d_model", self.d_model,
+                f"a multiple of {k}.heads={self.heads} (each attention head gets d_model / heads dimensions)")
+        # GRPO normalises rewards within a group: one sample has no spread.
+        require_int(f"{k}.group_size", self.group_size, 2)
+        require(self.rollout_dtype in ROLLOUT_DTYPES, f"{k}.rollout_dtype", self.rollout_dtype,
+                f"one of {', '.join(ROLLOUT_DTYPES)}")
+        for name in ("router_temperature", "lr", "clip_eps", "max_grad_norm"):
+            require_positive(f"{k}.{name}", getattr(self, name))
+        require(is_number(self.router_noise) and self.router_noise >= 0, f"{k}.router_noise", self.router_noise,
+                "a finite standard deviation >= 0")
+        require(is_number(self.extreme_threshold) and self.extreme_threshold > 1, f"{k}.extreme_threshold",
+                self.extreme_threshold, "a finite ratio > 1 (a token is extreme when max(r, 1/r) exceeds it)")
+
 
 @dataclass
 class NoopConfig(BackendConfig):
@@ -122,6 +203,16 @@ class NoopConfig(BackendConfig):
     reward: float = 0.0
     fail_seeds: list[int] = field(default_factory=list)
     fail_at_step: int = 0
+    #: Seconds each step sleeps: lets tests interrupt or kill a sweep in the middle of a cell.
+    step_seconds: float = 0.0
+
+    def check(self) -> None:
+        k = self.KEY
+        require_int(f"{k}.steps", self.steps, 1)
+        require(is_number(self.reward), f"{k}.reward", self.reward, "a finite number")
+        require_int(f"{k}.fail_at_step", self.fail_at_step, 0, self.steps - 1, f"{k}.steps={self.steps}")
+        require(is_number(self.step_seconds) and self.step_seconds >= 0, f"{k}.step_seconds", self.step_seconds,
+                "a finite number of seconds >= 0")
 
 
 @dataclass
@@ -134,18 +225,43 @@ class VerlConfig(BackendConfig):
     overrides: list[str] = field(default_factory=list)
     dry_run: bool = False
 
+    def check(self) -> None:
+        k = self.KEY
+        require(bool(self.config_name), f"{k}.config_name", self.config_name, "the name of a verl config file")
+        for override in self.overrides:
+            require("=" in override or override.startswith("~"), f"{k}.overrides", list(self.overrides),
+                    f"Hydra overrides of verl's config such as trainer.total_training_steps=100, not {override!r}")
+
 
 # --- tracking and the whole app -----------------------------------------------------------
 
 
 @dataclass
 class TrackingConfig:
+    KEY: ClassVar[str] = "tracking"
+
     mode: TrackingMode = TrackingMode.offline
     project: str = "ablate"
     entity: Optional[str] = None
-    tags: list[str] = field(default_factory=list)
-    init_timeout: float = 30.0
+    #: A tag or a list of tags (``tracking.tags=pilot`` or ``tracking.tags=[pilot,v2]``).
+    #: ``Any``: OmegaConf 2.3 has no Union[str, list[str]]; :meth:`tag_list` gives the list.
+    tags: Any = field(default_factory=list)
+    #: Seconds W&B may take to start a run (online: to reach the server) before the cell gives up
+    #: on it; an online run that cannot start continues offline, ready for ``wandb sync``.
+    init_timeout: float = 10.0
     progress: bool = True
+
+    def tag_list(self) -> list[str]:
+        return [self.tags] if isinstance(self.tags, str) else list(self.tags)
+
+    def check(self) -> None:
+        k = self.KEY
+        require(bool(self.project) and "/" not in self.project, f"{k}.project", self.project,
+                "a W&B project name (no '/')")
+        tags = self.tags if isinstance(self.tags, (str, list, tuple)) else None
+        require(tags is not None and all(isinstance(t, str) and t for t in self.tag_list()), f"{k}.tags", self.tags,
+                "a tag or a list of tags, e.g. tracking.tags=pilot or tracking.tags=[pilot,v2]")
+        require_positive(f"{k}.init_timeout", self.init_timeout)
 
 
 @dataclass
@@ -167,14 +283,77 @@ class AppConfig:
     #: Optuna trial number when the cell is a trial of a study.
     trial: Optional[int] = None
 
+    def check(self) -> None:
+        """Every section and every top-level value (the budget is checked with its policy)."""
+        self.backend.check()
+        self.policy.check()
+        self.tracking.check()
+        require_int("seed", self.seed, 0)
+        if self.trial is not None:
+            require_int("trial", self.trial, 0)
+        require(bool(self.store_dir), "store_dir", self.store_dir, "a directory for the run store")
+        check_sweep_name(self.sweep)
+        check_objective(self.objective)
+        check_device(self.device)
+
+
+#: A sweep name is one directory of the run store and a W&B group: one path component that can
+#: neither climb out of the store (``..``, ``/abs``) nor land in its root (``''``, ``.``).
+SWEEP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=,+-]{0,127}")
+
+
+def check_sweep_name(name: Any) -> str:
+    require(isinstance(name, str) and SWEEP_NAME.fullmatch(name) is not None and ".." not in name, "sweep",
+            repr(name), "one directory name of at most 128 letters, digits and . _ - = + , starting with a "
+            "letter or digit")
+    return name
+
+
+def objective_names() -> list[str]:
+    """Keys a cell's summary always holds: the outcomes, the schema's diagnostics and ``steps``."""
+    from ablate.analysis.outcomes import OUTCOME_NAMES
+    from ablate.diagnostics import SCHEMA
+
+    return [*OUTCOME_NAMES, "steps", *SCHEMA]
+
+
+def check_objective(objective: Any) -> None:
+    names = [objective] if isinstance(objective, str) else objective
+    known = objective_names()
+    ok = isinstance(names, Iterable) and bool(names) and all(isinstance(n, str) and n in known for n in names)
+    require(ok, "objective", objective,
+            f"a summary key or a list of them: an outcome ({', '.join(known[:known.index('steps')])}), "
+            "steps, or a diagnostics key such as mismatch/kl_k3")
+
+
+def check_device(device: str) -> None:
+    """A device torch can name and this machine has (``cpu``, ``cuda``, ``cuda:1``, ``mps``)."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        require(False, "device", device, "a torch device such as cpu, cuda or cuda:1")
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count()
+        require(count > 0 and (parsed.index or 0) < count, "device", device,
+                f"a CUDA device this machine has ({count} visible)")
+    elif parsed.type == "mps":
+        require(torch.backends.mps.is_available(), "device", device, "mps on a machine that has it")
+    else:
+        require(parsed.type == "cpu", "device", device, "cpu, cuda[:index] or mps")
+
 
 def register_configs() -> None:
-    """Register the schemas under ``base_*`` names (idempotent)."""
+    """Register the schemas as root-level ``base_*`` configs (idempotent).
+
+    Root level, not inside the ``policy``/``backend`` groups: a schema in a group would be offered
+    as a choice (``policy=base_fisher``) by ``--help`` and tab completion.
+    """
     store = ConfigStore.instance()
-    store.store(name="base_config", node=AppConfig)
-    store.store(group="policy", name="base_policy", node=PolicyConfig)
-    store.store(group="policy", name="base_budgeted_policy", node=BudgetedPolicyConfig)
-    store.store(group="policy", name="base_fisher", node=FisherPolicyConfig)
-    store.store(group="backend", name="base_synthetic", node=SyntheticConfig)
-    store.store(group="backend", name="base_verl", node=VerlConfig)
-    store.store(group="backend", name="base_noop", node=NoopConfig)
+    for name, node in (
+        ("base_config", AppConfig), ("base_policy", PolicyConfig), ("base_budgeted_policy", BudgetedPolicyConfig),
+        ("base_fisher", FisherPolicyConfig), ("base_synthetic", SyntheticConfig), ("base_verl", VerlConfig),
+        ("base_noop", NoopConfig),
+    ):
+        store.store(name=name, node=node)

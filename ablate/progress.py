@@ -1,31 +1,31 @@
-"""A one-line progress display for long cells that stays quiet when output is not a terminal."""
+"""A single cell's progress bar on a terminal: steps, rate, ETA, and the last reward and mismatch.
+
+Off a terminal it prints nothing per step (a log file would fill with carriage returns); the
+runner ends every cell with one line saying how it ended and where its results are.
+"""
 
 from __future__ import annotations
 
 import sys
-import time
 from typing import TextIO
 
 
 class Progress:
-    def __init__(self, label: str, total: int, *, enabled: bool = True, stream: TextIO | None = None,
-                 interval: float = 0.2) -> None:
-        self.stream = stream or sys.stderr
-        self.enabled = enabled and self.stream.isatty()
-        self.label, self.total, self.interval = label, total, interval
-        self._last = 0.0
+    def __init__(self, label: str, total: int, *, enabled: bool = True, stream: TextIO | None = None) -> None:
+        stream = stream or sys.stderr
+        self._bar = None
+        if enabled and stream.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total or None, desc=label, unit="step", file=stream, dynamic_ncols=True, leave=False)
 
     def update(self, step: int, record: dict[str, float]) -> None:
-        if not self.enabled or (time.monotonic() - self._last < self.interval and step + 1 < self.total):
+        if self._bar is None:
             return
-        self._last = time.monotonic()
-        reward = record.get("train/reward", float("nan"))
-        mismatch = record.get("routing/route_mismatch_rate", float("nan"))
-        self.stream.write(f"\r{self.label}: step {step + 1}/{self.total}  reward {reward:.3f}  "
-                          f"route mismatch {mismatch:.3f}\033[K")
-        self.stream.flush()
+        self._bar.set_postfix(reward=f"{record.get('train/reward', float('nan')):.3f}",
+                              mismatch=f"{record.get('routing/route_mismatch_rate', float('nan')):.3f}", refresh=False)
+        self._bar.update(step + 1 - self._bar.n)
 
     def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self._bar is not None:
+            self._bar.close()

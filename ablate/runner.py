@@ -1,28 +1,46 @@
 """``run_cell(cfg)``: one cell end to end, from a composed config to a complete run store entry.
 
-Order matters for "nothing is lost": the config is validated before anything is written; every
-step is appended to the store before it is sent to W&B; W&B can fail without failing the cell;
-and whatever happens (an exception, Ctrl-C) the cell's status, records and W&B run are closed.
+Order matters for "nothing is lost": every value of the config is checked before anything is
+written; every step is appended to the store before it is sent to W&B; W&B can fail without
+failing the cell; and whatever happens (an exception, Ctrl-C, SIGTERM, a full disk) the cell's
+status, records and W&B run are closed. An interrupted cell is recorded as ``interrupted`` with
+the steps it logged, and the next run of the same command runs it again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ablate.analysis.outcomes import cell_outcomes
 from ablate.backends import backend_runner
-from ablate.cell import Cell, cell_from_config, resolved_config
+from ablate.cell import Cell, ConfigError, cell_from_config, resolved_config
 from ablate.config import choice_value
 from ablate.diagnostics import validate_record
+from ablate.interrupts import as_interrupted, signals_interrupt
 from ablate.progress import Progress
-from ablate.store import CellRecorder, held, is_complete, read_json, read_records, read_summary
-from ablate.tracking import start_tracker
+from ablate.store import (
+    CELL_FILE,
+    CellBusy,
+    CellRecorder,
+    CellState,
+    StoreError,
+    describe_error,
+    held,
+    inspect_cell,
+    read_json,
+    read_summary,
+    sweep_dir,
+)
+from ablate.tracking import WandbTracker, start_tracker
 
 log = logging.getLogger(__name__)
 
@@ -38,72 +56,114 @@ def in_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def store_root(cfg: DictConfig) -> Path:
-    return Path(str(cfg.store_dir)).expanduser().absolute()
+def cell_directory(cfg: DictConfig, cell: Cell) -> Path:
+    return sweep_dir(cfg.store_dir, cell.sweep) / cell.dirname
 
 
-def cell_dir_of(cfg: DictConfig, cell: Cell) -> Path:
-    return store_root(cfg) / cell.sweep / cell.dirname
+def wandb_run_id(directory: Path, cell: Cell) -> str:
+    """The cell's one W&B run id: kept from an earlier attempt, else derived from the cell.
+
+    Derived from the cell's place in the store and its identity, so two stores (or sweeps) holding
+    the same cell never share a W&B run; kept in ``cell.json``, so every attempt of a cell, on any
+    host, logs to the same run.
+    """
+    try:
+        kept = read_json(directory / CELL_FILE).get("wandb_run_id")
+    except (FileNotFoundError, StoreError):
+        kept = None
+    if isinstance(kept, str) and kept:
+        return kept
+    return hashlib.sha256(f"{directory}\n{cell.cell_id}".encode()).hexdigest()[:16]
 
 
 def run_cell(cfg: DictConfig) -> dict[str, Any]:
-    """Run one cell and return its summary; a complete cell is not rerun (``summary["skipped"]``)."""
+    """Run one cell and return its summary; a complete cell is not rerun (``summary["skipped"]``).
+
+    Raises :class:`~ablate.cell.ConfigError` for a bad config (nothing written),
+    :class:`~ablate.store.CellBusy` when another live worker holds the cell,
+    :class:`~ablate.interrupts.Interrupted` on Ctrl-C or SIGTERM (the cell is recorded as
+    interrupted), and the backend's own error when the cell fails (recorded as failed).
+    """
     cell = cell_from_config(cfg)
-    directory = cell_dir_of(cfg, cell)
-    if is_complete(directory, cell.cell_id):
+    directory = cell_directory(cfg, cell)
+    if inspect_cell(directory, cell.cell_id).state is CellState.COMPLETE:
         log.info("%s: complete in %s, skipped", cell.name, directory)
         return {**read_summary(directory), "skipped": True}
     resolved = resolved_config(cfg)
-    with held(directory) as claim:
-        if is_complete(directory, cell.cell_id):  # another worker finished it while we looked
+    with signals_interrupt(), held(directory):
+        view = inspect_cell(directory, cell.cell_id)
+        if view.state is CellState.COMPLETE:  # another worker finished it while we looked
             return {**read_summary(directory), "skipped": True}
-        previous = directory / "status.json"
-        attempt = int(read_json(previous).get("attempt", 0)) + 1 if previous.exists() else 1
+        run_id = wandb_run_id(directory, cell)
         recorder = CellRecorder(directory)
         recorder.start(
             {"cell_id": cell.cell_id, "name": cell.name, "sweep": cell.sweep, "backend": cell.backend.name,
              "policy": cell.policy, "budget": cell.budget, "seed": cell.seed, "trial": cell.trial,
-             "variant": cell.variant, "settings": cell.policy_settings, "schema_version": resolved["schema_version"]},
-            OmegaConf.to_yaml(resolved), attempt,
+             "variant": cell.variant, "settings": cell.policy_settings, "schema_version": resolved["schema_version"],
+             "wandb_run_id": run_id},
+            OmegaConf.to_yaml(resolved), view.attempt + 1,
         )
+        return _run_started_cell(cfg, cell, resolved, recorder, run_id)
+
+
+def _run_started_cell(cfg: DictConfig, cell: Cell, resolved: dict[str, Any], recorder: CellRecorder,
+                      run_id: str) -> dict[str, Any]:
+    """Everything after the cell's files exist runs inside one ``try``: an interrupt while W&B
+    starts is recorded like one in the middle of a step."""
+    strict = os.environ.get(STRICT_SCHEMA_ENV) == "1"
+    tracker: WandbTracker | None = None
+    progress: Progress | None = None
+
+    def log_step(step: int, record: dict[str, float], native: dict[str, float] | None = None) -> None:
+        """One step: schema keys (validated) and backend-native metrics under their own names."""
+        for problem in validate_record(record, strict=strict):
+            recorder.warn(f"step {step}: {problem}")
+        combined = {**(native or {}), **record}
+        recorder.record(step, combined)
+        assert tracker is not None and progress is not None
+        tracker.log(combined, step=step)
+        progress.update(step, record)
+
+    try:
         tracker = start_tracker(
-            mode=choice_value(cfg.tracking.mode),
-            project=cfg.tracking.project, entity=cfg.tracking.entity, tags=list(cfg.tracking.tags),
-            run_dir=directory, group=cell.sweep, job_type=cell.policy, name=cell.name,
-            config=cell.flat_config(resolved), init_timeout=cfg.tracking.init_timeout,
+            mode=choice_value(cfg.tracking.mode), project=cfg.tracking.project, entity=cfg.tracking.entity,
+            tags=OmegaConf.to_object(cfg.tracking).tag_list(), run_dir=recorder.dir, run_id=run_id,
+            group=cell.sweep, job_type=cell.policy, name=cell.name, config=cell.flat_config(resolved),
+            init_timeout=cfg.tracking.init_timeout,
         )
         progress = Progress(cell.name, int(getattr(cell.backend, "steps", 0) or 0),
                             enabled=cfg.tracking.progress and not in_multirun())
-        strict = os.environ.get(STRICT_SCHEMA_ENV) == "1"
-
-        def log_step(step: int, record: dict[str, float], native: dict[str, float] | None = None) -> None:
-            """One step: schema keys (validated) and backend-native metrics under their own names."""
-            for problem in validate_record(record, strict=strict):
-                recorder.warn(f"step {step}: {problem}")
-            combined = {**(native or {}), **record}
-            recorder.record(step, combined)
-            tracker.log(combined, step=step)
-            progress.update(step, record)
-            claim.refresh()
-
-        try:
-            os.environ["ABLATE_CELL_DIR"] = str(directory)  # where a backend keeps its own files
-            backend_runner(cell.backend.name)(cell, log_step)
-            records = read_records(directory)
-            summary = summarize_records(records)
-            tracker.finish(summary=summary, exit_code=0)
-            recorder.warnings.extend(tracker.warnings)
-            recorder.complete(summary)
-        except BaseException as error:
-            tracker.finish(exit_code=1)
-            recorder.warnings.extend(tracker.warnings)
-            recorder.fail(error, traceback.format_exc())
-            raise
-        finally:
+        os.environ["ABLATE_CELL_DIR"] = str(recorder.dir)  # where a backend keeps its own files
+        backend_runner(cell.backend.name)(cell, log_step)
+        if recorder.records.empty:  # a complete cell always has records: the analysis relies on it
+            raise RuntimeError(f"backend={cell.backend.name} returned without logging a step")
+        summary = summarize_records(recorder.records)
+        _close_tracker(tracker, recorder, 0, summary)
+        recorder.complete(summary)
+    except KeyboardInterrupt as error:
+        interrupted = as_interrupted(error)
+        _close_tracker(tracker, recorder, interrupted.exit_status)
+        recorder.fail(interrupted, None, CellState.INTERRUPTED)
+        raise interrupted from None
+    except BaseException as error:
+        _close_tracker(tracker, recorder, 1)
+        recorder.fail(error, traceback.format_exc())
+        raise
+    finally:
+        if progress is not None:
             progress.close()
     for warning in recorder.warnings:
         log.warning("%s: %s", cell.name, warning)
     return summary
+
+
+def _close_tracker(tracker: WandbTracker | None, recorder: CellRecorder, exit_code: int,
+                   summary: dict[str, Any] | None = None) -> None:
+    """Finish the W&B run (idempotent) and move its warnings to the cell's status."""
+    if tracker is not None:
+        tracker.finish(summary=summary, exit_code=exit_code)
+        recorder.warnings.extend(tracker.warnings)
+        tracker.warnings.clear()
 
 
 def summarize_records(records) -> dict[str, Any]:
@@ -121,3 +181,55 @@ def objective(summary: dict[str, Any], name: str) -> float:
     if name not in summary:
         raise KeyError(f"objective={name!r} is not in the cell's summary: expected one of {', '.join(sorted(summary))}")
     return float(summary[name])
+
+
+def objective_values(cfg: DictConfig, summary: dict[str, Any]) -> float | list[float]:
+    if isinstance(cfg.objective, ListConfig):
+        return [objective(summary, str(name)) for name in cfg.objective]
+    return objective(summary, cfg.objective)
+
+
+def run_cell_from_cli(cfg: DictConfig) -> float | list[float]:
+    """The app's task: run the cell and return its objective for a sweeper.
+
+    Run alone (not in a sweep), a bad config, a busy cell or an interrupt ends the command with
+    one line and the conventional exit status (2 for a bad config, 130 for Ctrl-C, 143 for
+    SIGTERM), and every cell ends with one line saying where its results are. In a sweep, the
+    exceptions propagate to the sweeper, which reports for the whole grid.
+    """
+    if in_multirun():
+        return objective_values(cfg, run_cell(cfg))
+    started = time.monotonic()
+    try:
+        summary = run_cell(cfg)
+    except ConfigError as error:
+        _exit(str(error), 2)
+    except CellBusy as error:
+        _exit(f"{error}: not started; run it again once that worker is done", 1)
+    except KeyboardInterrupt as error:
+        interrupted = as_interrupted(error)
+        cell = cell_from_config(cfg)
+        recorded = inspect_cell(cell_directory(cfg, cell)).state is CellState.INTERRUPTED
+        what = ("is recorded as interrupted with the steps it logged; run the same command again to rerun it"
+                if recorded else "had not started")
+        _exit(f"interrupted by {interrupted.signal_name}: {_where(cfg)} {what}", interrupted.exit_status)
+    except Exception as error:
+        print(f"{_where(cfg)}: failed after {time.monotonic() - started:.1f} s: {describe_error(error)} "
+              "(the traceback is also in its status.json)", file=sys.stderr, flush=True)
+        raise
+    outcome = "already complete, skipped" if summary.get("skipped") else f"complete in {time.monotonic() - started:.1f} s"
+    values = objective_values(cfg, summary)
+    names = list(cfg.objective) if isinstance(cfg.objective, ListConfig) else [cfg.objective]
+    shown = ", ".join(f"{name}={value:.4g}" for name, value in zip(names, values if isinstance(values, list) else [values]))
+    print(f"{_where(cfg)}: {outcome}, {shown}", flush=True)
+    return values
+
+
+def _where(cfg: DictConfig) -> str:
+    cell = cell_from_config(cfg)
+    return f"{cell.name} ({cell_directory(cfg, cell)})"
+
+
+def _exit(message: str, status: int) -> None:
+    print(f"ablate: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(status)

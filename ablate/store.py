@@ -1,37 +1,60 @@
-"""The local run store: the source of truth for every cell (DESIGN.md section 5).
+"""The local run store: the source of truth for every cell (docs/design.md section 5).
+
+This module owns the store: its layout, the one vocabulary of cell states (:class:`CellState`)
+that planning, progress, the final tally and the analysis all use, the claims that keep two
+workers off one cell, and the writer of a cell's files (:class:`CellRecorder`).
 
 Layout: ``<store_dir>/<sweep>/<cell name>-<id[:8]>/`` holds ``cell.json`` (identity),
-``config.yaml`` (resolved config), ``status.json`` (running / complete / failed, with error and
-traceback), ``records.jsonl`` (one line per step, appended and flushed as the cell runs),
-``records.parquet`` (the same records, written when the cell ends) and ``summary.json``.
+``config.yaml`` (resolved config), ``status.json`` (running / complete / failed / interrupted,
+with error and traceback), ``records.jsonl`` (one line per step, appended and flushed as the
+cell runs), ``records.parquet`` (the same records, written when the cell ends),
+``summary.json``, ``claim.json`` while a worker holds the cell, and ``wandb/`` (its W&B run).
+Entries of a sweep directory whose name starts with ``_`` (Hydra's ``_hydra``) are not cells.
 
-Every whole file is written atomically (temporary file, fsync, rename), so a crash leaves either
-the old or the new version, never half of one. The step log is append-only: a crash can at most
-cut its last line, which readers skip. A ``claim`` file holding the owner's host and pid keeps two
-workers off the same cell; a claim whose process is gone (same host) or that has not been
-refreshed for ``STALE_AFTER`` seconds (other hosts) is taken over.
+Every whole file is written atomically (temporary file, fsync, rename) and a temporary file is
+removed when the write fails (a full disk), so a crash leaves either the old or the new version,
+never half of one. The step log is append-only: a crash can at most cut its last line, which
+readers skip.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import math
 import os
+import shutil
 import socket
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import psutil
 from filelock import FileLock
 
-STATUS_RUNNING, STATUS_COMPLETE, STATUS_FAILED = "running", "complete", "failed"
-CLAIM_FILE = "claim.json"
-STALE_AFTER = 600.0
+from ablate.config import check_sweep_name
+
+log = logging.getLogger(__name__)
+
+CELL_FILE, CONFIG_FILE, STATUS_FILE = "cell.json", "config.yaml", "status.json"
+RECORDS_LOG, RECORDS_FILE, SUMMARY_FILE = "records.jsonl", "records.parquet", "summary.json"
+CLAIM_FILE, WANDB_DIR = "claim.json", "wandb"
+#: What a new attempt of a cell replaces: the previous attempt's results and its W&B run.
+ATTEMPT_FILES = (RECORDS_FILE, RECORDS_LOG, SUMMARY_FILE)
+
+#: A claim whose heartbeat is older than this is stale when its holder cannot be checked directly
+#: (another host, or a claim written without the holder's process start time).
+STALE_AFTER = 120.0
+#: How often a holder refreshes its claim's heartbeat (a thread, so long steps do not matter).
+HEARTBEAT_EVERY = 20.0
 
 
 class StoreError(RuntimeError):
@@ -42,17 +65,87 @@ class CellBusy(RuntimeError):
     """Another live worker holds the cell's claim."""
 
 
+class CellState(str, Enum):
+    """Where a cell stands in the run store: the one vocabulary of the store's readers.
+
+    ``status.json`` records ``running``, ``complete``, ``failed`` or ``interrupted``; the other
+    states are derived: ``new`` (never started), ``unfinished`` (recorded as running, but no
+    live worker holds it: killed or crashed) and ``corrupt`` (a file that must be readable is
+    not: ``status.json``, or a complete cell's ``cell.json``, summary or Parquet records).
+    """
+
+    NEW = "new"
+    RUNNING = "running"
+    UNFINISHED = "unfinished"
+    COMPLETE = "complete"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+    CORRUPT = "corrupt"
+
+    @property
+    def rerun(self) -> bool:
+        """Whether a sweep (re)launches a cell in this state: all but complete and running ones."""
+        return self not in (CellState.COMPLETE, CellState.RUNNING)
+
+
+@dataclass(frozen=True)
+class CellView:
+    """What the store says about one cell directory, read once."""
+
+    directory: Path
+    state: CellState
+    #: The attempt recorded in ``status.json`` (0: never started or unreadable).
+    attempt: int
+    #: The recorded error of a failed or interrupted cell, why a cell is corrupt, or who runs it.
+    detail: str | None = None
+
+
 def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+def store_root(store_dir: str | os.PathLike[str]) -> Path:
+    """The store root as an absolute path: the one place ``store_dir`` is resolved.
+
+    Relative to the directory the command started in, so that every worker of a sweep (Ray, SLURM,
+    joblib, each with its own working directory) writes to the same store.
+    """
+    return Path(store_dir).expanduser().absolute()
+
+
+def sweep_dir(store_dir: str | os.PathLike[str], sweep: str) -> Path:
+    return store_root(store_dir) / check_sweep_name(sweep)
+
+
+def cell_dirs(sweep_directory: Path) -> list[Path]:
+    """The cell directories of a sweep, sorted (Hydra's ``_hydra`` and other files left out)."""
+    if not sweep_directory.is_dir():
+        return []
+    return sorted(p for p in sweep_directory.iterdir() if p.is_dir() and not p.name.startswith(("_", ".")))
+
+
+# --- atomic files ---------------------------------------------------------------------------
+
+
+def _tmp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+
+
+def atomic_write(path: Path, write: Any) -> None:
+    """``write(tmp)`` then fsync and rename over ``path``; the temporary file never outlives a failure."""
+    tmp = _tmp_path(path)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: tmp.write_bytes(data))
 
 
 def _json_safe(value: Any) -> Any:
@@ -84,72 +177,135 @@ def read_json(path: Path) -> dict[str, Any]:
 
 def read_summary(cell_dir: Path) -> dict[str, Any]:
     """A cell's summary, with the nulls that stand for NaN turned back into NaN."""
-    return {key: math.nan if value is None else value for key, value in read_json(cell_dir / "summary.json").items()}
+    return {key: math.nan if value is None else value for key, value in read_json(cell_dir / SUMMARY_FILE).items()}
+
+
+def records_frame(rows: list[Mapping[str, Any]]) -> pd.DataFrame:
+    """Step records as a frame; every column but ``step`` is float (JSON nulls become NaN)."""
+    frame = pd.DataFrame(rows)
+    return frame.astype({column: "float64" for column in frame.columns if column != "step"})
 
 
 def read_records(cell_dir: Path) -> pd.DataFrame:
     """A cell's per-step records: the Parquet file when the cell ended, else the step log."""
-    parquet = cell_dir / "records.parquet"
+    parquet = cell_dir / RECORDS_FILE
     if parquet.exists():
         try:
             return pd.read_parquet(parquet)
-        except Exception as error:
+        except Exception as error:  # pyarrow raises several unrelated types for a damaged file
             raise StoreError(f"{parquet}: corrupt records file ({error}); expected Parquet written by ablate") from None
     rows = []
-    log = cell_dir / "records.jsonl"
-    if log.exists():
-        lines = log.read_text().splitlines()
+    log_file = cell_dir / RECORDS_LOG
+    if log_file.exists():
+        lines = log_file.read_text().splitlines()
         for number, line in enumerate(lines):
             try:
                 rows.append(json.loads(line))
             except ValueError:
                 if number != len(lines) - 1:  # only a cut last line is expected after a crash
-                    raise StoreError(f"{log}:{number + 1}: corrupt step record; expected one JSON object per line") from None
-    frame = pd.DataFrame(rows)
-    # JSON has no NaN: undefined values were written as null and come back as floats here.
-    return frame.astype({column: "float64" for column in frame.columns if column != "step"})
+                    raise StoreError(f"{log_file}:{number + 1}: corrupt step record; expected one JSON object per line") from None
+    return records_frame(rows)
 
 
-@dataclass
-class Claim:
-    """A worker's hold on a cell; :meth:`refresh` keeps it visibly alive for other hosts."""
+def _check_parquet(path: Path) -> None:
+    """Raise StoreError unless ``path`` is a Parquet file whose footer reads (cheap: no data read)."""
+    import pyarrow.parquet as pq
 
-    path: Path
-    refresh_every: float = STALE_AFTER / 4
-    _last: float = 0.0
-
-    def refresh(self) -> None:
-        """Touch the claim, at most every ``refresh_every`` seconds (cheap to call every step)."""
-        if time.monotonic() - self._last >= self.refresh_every:
-            os.utime(self.path)
-            self._last = time.monotonic()
-
-    def release(self) -> None:
-        try:
-            if read_json(self.path).get("pid") == os.getpid():
-                self.path.unlink()
-        except (FileNotFoundError, StoreError):
-            pass
+    try:
+        pq.read_metadata(path)
+    except FileNotFoundError:
+        raise StoreError(f"{path}: missing, but the cell's status is 'complete'") from None
+    except Exception as error:
+        raise StoreError(f"{path}: corrupt records file ({error}); expected Parquet written by ablate") from None
 
 
-def claim_is_stale(path: Path) -> bool:
-    """Whether a claim's holder is gone: a dead pid on this host, or no refresh for STALE_AFTER."""
+# --- claims ---------------------------------------------------------------------------------
+
+
+def _process_start(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch), or None if there is no such process.
+
+    With the pid, this identifies a process: a reused pid (in containers, pid 1 comes back after
+    every restart) belongs to a process that started later.
+    """
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return None
+    except psutil.AccessDenied:
+        return math.nan  # alive, but its start time cannot be read: the heartbeat decides
+
+
+def this_process() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "process_start": _process_start(os.getpid()),
+            "since": now()}
+
+
+def holder_is_alive(holder: Mapping[str, Any], heartbeat_age: float) -> bool:
+    """Whether the process that wrote a claim still runs.
+
+    On the same host the process itself is checked: alive, and started when the claim says (a
+    reused pid is another process). A claim without a start time (written by an older ablate) or
+    on another host is alive while its heartbeat is fresher than ``STALE_AFTER``.
+    """
+    if holder.get("host") != socket.gethostname():
+        return heartbeat_age <= STALE_AFTER
+    try:
+        pid = int(holder["pid"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    started = _process_start(pid)
+    if started is None:
+        return False
+    recorded = holder.get("process_start")
+    if not isinstance(recorded, (int, float)) or math.isnan(started):
+        return heartbeat_age <= STALE_AFTER
+    return abs(started - recorded) < 0.5
+
+
+def claim_holder(path: Path) -> dict[str, Any] | None:
+    """The holder of a live claim at ``path``, or None when there is none or it is stale."""
     try:
         holder = read_json(path)
         age = time.time() - path.stat().st_mtime
-    except FileNotFoundError:
-        return True
-    except StoreError:
-        return True  # claims are written whole (see claim()), so an unreadable one is damage
-    if holder.get("host") == socket.gethostname():
+    except (FileNotFoundError, StoreError):
+        return None  # claims are written whole (see claim()), so an unreadable one is damage
+    return holder if holder_is_alive(holder, age) else None
+
+
+def describe_holder(holder: Mapping[str, Any]) -> str:
+    return f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')}"
+
+
+class Claim:
+    """A worker's hold on a cell, kept visibly alive by a heartbeat thread until released."""
+
+    def __init__(self, path: Path, identity: Mapping[str, Any], heartbeat_every: float = HEARTBEAT_EVERY) -> None:
+        self.path, self.identity = path, dict(identity)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, args=(heartbeat_every,), daemon=True,
+                                        name=f"claim-heartbeat-{path.parent.name}")
+        self._thread.start()
+
+    def _beat(self, every: float) -> None:
+        while not self._stop.wait(every):
+            try:
+                os.utime(self.path)
+            except OSError as error:
+                log.warning("%s: claim heartbeat failed (%s)", self.path, error)
+
+    def owned(self) -> bool:
         try:
-            os.kill(int(holder["pid"]), 0)
-        except ProcessLookupError:
-            return True
-        except (PermissionError, KeyError, ValueError, TypeError):
+            held = read_json(self.path)
+        except (FileNotFoundError, StoreError):
             return False
-        return False
-    return age > STALE_AFTER
+        return all(held.get(k) == self.identity[k] for k in ("host", "pid", "process_start"))
+
+    def release(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        if self.owned():
+            self.path.unlink(missing_ok=True)
 
 
 def claim(cell_dir: Path) -> Claim:
@@ -160,97 +316,21 @@ def claim(cell_dir: Path) -> Claim:
     that both find it stale cannot both win.
     """
     path = cell_dir / CLAIM_FILE
-    mine = cell_dir / f".claim.{socket.gethostname()}.{os.getpid()}"
-    mine.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": now()}))
+    identity = this_process()
+    mine = cell_dir / f".claim.{identity['host']}.{identity['pid']}"
     try:
+        mine.write_text(json.dumps(identity))
         with FileLock(str(cell_dir / ".claim.lock"), timeout=60):
             try:
                 os.link(mine, path)
             except FileExistsError:
-                if not claim_is_stale(path):
-                    raise CellBusy(f"{cell_dir.name} is being run by {path.read_text().strip()}") from None
+                holder = claim_holder(path)
+                if holder is not None:
+                    raise CellBusy(f"{cell_dir.name} is being run by {describe_holder(holder)}") from None
                 os.replace(mine, path)  # atomic takeover, serialised by the lock
-                return Claim(path)
     finally:
         mine.unlink(missing_ok=True)
-    return Claim(path)
-
-
-class CellRecorder:
-    """Writes one cell's files as it runs; every method leaves the directory consistent."""
-
-    def __init__(self, cell_dir: Path) -> None:
-        self.dir = cell_dir
-        self.warnings: list[str] = []
-        self._status: dict[str, Any] = {}
-        self._log = None
-
-    def start(self, cell: Mapping[str, Any], config_yaml: str, attempt: int) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        for stale in ("records.parquet", "records.jsonl", "summary.json"):
-            (self.dir / stale).unlink(missing_ok=True)
-        atomic_write_json(self.dir / "cell.json", cell)
-        atomic_write_bytes(self.dir / "config.yaml", config_yaml.encode())
-        self._status = {
-            "status": STATUS_RUNNING, "attempt": attempt, "started_at": now(), "finished_at": None,
-            "host": socket.gethostname(), "pid": os.getpid(), "error": None, "traceback": None, "warnings": [],
-        }
-        atomic_write_json(self.dir / "status.json", self._status)
-        self._log = open(self.dir / "records.jsonl", "a", buffering=1)
-
-    def record(self, step: int, record: Mapping[str, float]) -> None:
-        assert self._log is not None, "start() first"
-        self._log.write(json.dumps(_json_safe({"step": step, **record}), allow_nan=False) + "\n")
-        self._log.flush()
-
-    def warn(self, message: str) -> None:
-        self.warnings.append(message)
-
-    def _close(self, status: str, summary: Mapping[str, Any] | None, error: BaseException | None, tb: str | None) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        try:
-            records = read_records(self.dir)
-        except StoreError as damaged:  # keep the step log as it is; the status must still be closed
-            self.warnings.append(f"records not converted to Parquet: {damaged}")
-            records = pd.DataFrame()
-        if not records.empty:
-            buffer = self.dir / f".records.parquet.{os.getpid()}.tmp"
-            records.to_parquet(buffer, index=False)
-            with open(buffer, "rb") as handle:
-                os.fsync(handle.fileno())
-            os.replace(buffer, self.dir / "records.parquet")
-        if summary is not None:
-            atomic_write_json(self.dir / "summary.json", summary)
-        self._status.update({
-            "status": status, "finished_at": now(), "warnings": list(self.warnings),
-            "error": None if error is None else f"{type(error).__name__}: {error}", "traceback": tb,
-        })
-        atomic_write_json(self.dir / "status.json", self._status)
-
-    def complete(self, summary: Mapping[str, Any]) -> None:
-        self._close(STATUS_COMPLETE, summary, None, None)
-
-    def fail(self, error: BaseException, tb: str) -> None:
-        self._close(STATUS_FAILED, None, error, tb)
-
-
-def cell_status(cell_dir: Path) -> str | None:
-    """``running`` / ``complete`` / ``failed``, or None for a cell never started here."""
-    try:
-        return str(read_json(cell_dir / "status.json")["status"])
-    except FileNotFoundError:
-        return None
-    except KeyError:
-        raise StoreError(f"{cell_dir / 'status.json'}: corrupt run store file: no 'status' field") from None
-
-
-def is_complete(cell_dir: Path, cell_id: str) -> bool:
-    """Complete *and* the same cell (a changed config under the same name is a new cell)."""
-    if cell_status(cell_dir) != STATUS_COMPLETE or not (cell_dir / "summary.json").exists():
-        return False
-    return read_json(cell_dir / "cell.json").get("cell_id") == cell_id
+    return Claim(path, identity)
 
 
 @contextmanager
@@ -261,3 +341,160 @@ def held(cell_dir: Path) -> Iterator[Claim]:
         yield taken
     finally:
         taken.release()
+
+
+# --- reading a cell's state -----------------------------------------------------------------
+
+
+def inspect_cell(directory: Path, cell_id: str | None = None) -> CellView:
+    """Classify one cell directory; never raises for damage, which is the ``corrupt`` state.
+
+    ``cell_id``, when given, must match the identity in ``cell.json`` for the cell to count as
+    complete: a directory of another config under the same name is not this cell's result. A
+    complete cell counts only when its summary and Parquet records read back (the Parquet footer
+    is checked, not every row), so a damaged cell is rerun instead of skipped.
+    """
+    try:
+        status = read_json(directory / STATUS_FILE)
+    except FileNotFoundError:
+        return CellView(directory, CellState.NEW, 0)
+    except StoreError as error:
+        return CellView(directory, CellState.CORRUPT, 0, str(error))
+    attempt = status.get("attempt")
+    attempt = attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else 0
+    recorded = status.get("status")
+    if recorded == CellState.RUNNING.value:
+        holder = claim_holder(directory / CLAIM_FILE)
+        if holder is None:
+            return CellView(directory, CellState.UNFINISHED, attempt, "no live worker holds it (killed or crashed)")
+        return CellView(directory, CellState.RUNNING, attempt, describe_holder(holder))
+    if recorded in (CellState.FAILED.value, CellState.INTERRUPTED.value):
+        return CellView(directory, CellState(recorded), attempt, status.get("error"))
+    if recorded != CellState.COMPLETE.value:
+        return CellView(directory, CellState.CORRUPT, attempt,
+                        f"{directory / STATUS_FILE}: unknown status {recorded!r}; expected running, complete, "
+                        "failed or interrupted")
+    try:
+        identity = read_json(directory / CELL_FILE)
+        read_json(directory / SUMMARY_FILE)
+        _check_parquet(directory / RECORDS_FILE)
+    except FileNotFoundError as error:
+        return CellView(directory, CellState.CORRUPT, attempt, f"{error.filename}: missing, but the cell is complete")
+    except StoreError as error:
+        return CellView(directory, CellState.CORRUPT, attempt, str(error))
+    if cell_id is not None and identity.get("cell_id") != cell_id:
+        return CellView(directory, CellState.NEW, attempt, f"holds another cell ({identity.get('cell_id')})")
+    return CellView(directory, CellState.COMPLETE, attempt)
+
+
+# --- writing a cell -------------------------------------------------------------------------
+
+
+def is_disk_full(error: BaseException) -> bool:
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+class CellRecorder:
+    """Writes one cell's files as it runs; every method leaves the directory consistent.
+
+    The records it wrote are kept in memory too (:attr:`records`), so the summary is computed
+    from what was logged without reading the files back.
+    """
+
+    def __init__(self, cell_dir: Path) -> None:
+        self.dir = cell_dir
+        self.warnings: list[str] = []
+        self._rows: list[dict[str, Any]] = []
+        self._status: dict[str, Any] = {}
+        self._log = None
+
+    @property
+    def records(self) -> pd.DataFrame:
+        """Every step recorded so far, as written to the step log."""
+        return records_frame(self._rows)
+
+    def start(self, cell: Mapping[str, Any], config_yaml: str, attempt: int) -> None:
+        """Begin attempt ``attempt``: the previous attempt's records, summary and W&B run go."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for stale in ATTEMPT_FILES:
+            (self.dir / stale).unlink(missing_ok=True)
+        shutil.rmtree(self.dir / WANDB_DIR, ignore_errors=True)
+        atomic_write_json(self.dir / CELL_FILE, cell)
+        atomic_write_bytes(self.dir / CONFIG_FILE, config_yaml.encode())
+        self._status = {
+            "status": CellState.RUNNING.value, "attempt": attempt, "started_at": now(), "finished_at": None,
+            "host": socket.gethostname(), "pid": os.getpid(), "error": None, "traceback": None, "warnings": [],
+        }
+        atomic_write_json(self.dir / STATUS_FILE, self._status)
+        self._log = open(self.dir / RECORDS_LOG, "a", buffering=1)
+
+    def record(self, step: int, record: Mapping[str, float]) -> None:
+        assert self._log is not None, "start() first"
+        row = {"step": step, **record}
+        self._log.write(json.dumps(_json_safe(row), allow_nan=False) + "\n")
+        self._log.flush()
+        self._rows.append(row)  # only once it is on disk
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
+
+    def complete(self, summary: Mapping[str, Any]) -> None:
+        """Parquet records, summary, then the status: a crash before the last leaves a rerun."""
+        self._close_log()
+        self._write_parquet()
+        atomic_write_json(self.dir / SUMMARY_FILE, summary)
+        self._write_status(CellState.COMPLETE, None, None)
+
+    def fail(self, error: BaseException, tb: str | None, state: CellState = CellState.FAILED) -> None:
+        """Record a failed or interrupted attempt, keeping its steps.
+
+        Best effort: it runs while an error propagates (a full disk among them), so a write that
+        fails here is logged, never raised over the original error. If even the status cannot be
+        written, it stays ``running`` with no live claim, which every reader treats as unfinished.
+        """
+        self._close_log()
+        for write in (self._write_parquet, lambda: self._write_status(state, error, tb)):
+            try:
+                write()
+            except OSError as failure:
+                log.warning("%s: could not record the %s attempt (%s)", self.dir, state.value, failure)
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            try:
+                self._log.close()
+            except OSError as error:  # the flush of a full disk: the lines before it are on disk
+                log.warning("%s: closing the step log failed (%s)", self.dir, error)
+            self._log = None
+
+    def _write_parquet(self) -> None:
+        records = self.records
+        if not records.empty:
+            atomic_write(self.dir / RECORDS_FILE, lambda tmp: records.to_parquet(tmp, index=False))
+
+    def _write_status(self, state: CellState, error: BaseException | None, tb: str | None) -> None:
+        self._status.update({
+            "status": state.value, "finished_at": now(), "warnings": list(self.warnings),
+            "error": None if error is None else describe_error(error), "traceback": tb,
+        })
+        path = self.dir / STATUS_FILE
+        try:
+            atomic_write_json(path, self._status)
+        except OSError as failure:
+            if not is_disk_full(failure) or state is CellState.COMPLETE:
+                raise
+            # A full disk has no room for a temporary copy, but the old status file has room for a
+            # short new one. Rewritten in place: a crash in that instant leaves it unreadable,
+            # which every reader treats as damage to rerun, as it would treat "running".
+            short = {**self._status, "traceback": None, "warnings": self._status["warnings"][-3:]}
+            data = (json.dumps(_json_safe(short), sort_keys=True, default=str) + "\n").encode()
+            with open(path, "r+b") as handle:
+                handle.write(data)
+                handle.truncate()
+                handle.flush()
+                os.fsync(handle.fileno())
+
+
+def describe_error(error: BaseException) -> str:
+    text = str(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

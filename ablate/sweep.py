@@ -8,13 +8,20 @@ and resumable *before* any launcher sees it:
   and collapse to one cell per seed, whichever launcher runs them.
 - Each job is composed and turned into a :class:`~ablate.cell.Cell`, so a bad value fails the
   whole sweep before the first cell starts, and each cell's identity is known.
-- Cells already complete in the run store are not launched again; failed and unfinished ones are.
+- Each cell is classified by the run store (:func:`ablate.store.inspect_cell`): complete cells
+  are skipped, cells another live worker is running are waited for, and all others (new,
+  failed, interrupted, unfinished, corrupt) are launched.
+
+While cells run, :class:`ProgressReporter` polls the store, and at the end :func:`tally` counts
+each cell by what the store says it became, never by what the launcher returned: a cell counts
+as complete only if its complete result is in the store.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,135 +32,160 @@ from omegaconf import DictConfig
 
 from ablate.budget import FIXED_BUDGETS
 from ablate.cell import Cell, ConfigError, cell_from_config
-from ablate.runner import cell_dir_of
-from ablate.store import (
-    CLAIM_FILE,
-    STATUS_COMPLETE,
-    STATUS_FAILED,
-    STATUS_RUNNING,
-    StoreError,
-    claim_is_stale,
-    cell_status,
-    is_complete,
-    read_json,
-)
+from ablate.store import CellState, CellView, inspect_cell, sweep_dir
 
-NEW, COMPLETE, FAILED, UNFINISHED, BUSY = "new", "complete", "failed", "unfinished", "busy"
+#: The words progress lines use for the states of the cells a sweep launches or waits for.
+PROGRESS_WORDS = {CellState.COMPLETE: "done", CellState.RUNNING: "running", CellState.FAILED: "failed",
+                  CellState.INTERRUPTED: "interrupted", CellState.NEW: "left"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlannedCell:
     overrides: list[str]
     cell: Cell
     directory: Path
-    #: State in the run store before the sweep started: new, complete, failed, unfinished, busy.
-    state: str
-    #: The cell's attempt number in the run store before the sweep started (0: never started).
-    attempt: int
+    #: What the run store said about the cell when the sweep was planned.
+    prior: CellView
 
     @property
     def to_launch(self) -> bool:
-        return self.state in (NEW, FAILED, UNFINISHED)
+        return self.prior.state.rerun
+
+    @property
+    def waited_for(self) -> bool:
+        """Another live worker was running it: this sweep waits for its result instead."""
+        return self.prior.state is CellState.RUNNING
 
 
 def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
-def prior_state(directory: Path, cell_id: str) -> str:
-    """What the run store says about a cell before it is (re)launched."""
-    try:
-        status = cell_status(directory)
-    except StoreError:
-        return UNFINISHED  # a status cut by a crash: rerun it
-    if status is None:
-        return NEW
-    if status == STATUS_COMPLETE:
-        return COMPLETE if is_complete(directory, cell_id) else NEW
-    if status == STATUS_FAILED:
-        return FAILED
-    claim = directory / CLAIM_FILE
-    return BUSY if claim.exists() and not claim_is_stale(claim) else UNFINISHED
-
-
-def _attempt(directory: Path) -> int:
-    try:
-        return int(read_json(directory / "status.json").get("attempt", 0))
-    except (FileNotFoundError, StoreError, ValueError, TypeError):
-        return 0
-
-
 def plan_grid(jobs: Sequence[Sequence[str]], compose: Callable[[list[str]], DictConfig]) -> list[PlannedCell]:
-    """Budget-matched, de-duplicated cells of a grid, with their state in the run store."""
+    """Budget-matched, de-duplicated cells of a grid, with their state in the run store.
+
+    ``compose(overrides)`` returns the app config of one job (the sweeper composes with Hydra;
+    tests may pass any function that builds the config).
+    """
     planned: list[PlannedCell] = []
     seen: set[str] = set()
     for job in jobs:
         overrides = list(job)
-        cfg = compose(overrides)
-        fixed = FIXED_BUDGETS.get(cfg.policy.name)
-        if fixed is not None and cfg.budget is not None and cfg.budget != fixed:
-            overrides = [o for o in overrides if override_key(o) != "budget"] + ["budget=null"]
-            cfg = compose(overrides)
         try:
+            cfg = compose(overrides)
+            fixed = FIXED_BUDGETS.get(cfg.policy.name)
+            if fixed is not None and cfg.budget is not None and cfg.budget != fixed:
+                overrides = [o for o in overrides if override_key(o) != "budget"] + ["budget=null"]
+                cfg = compose(overrides)
             cell = cell_from_config(cfg)
         except ConfigError as error:
             raise ConfigError(f"{error} (in the sweep job {' '.join(job)})") from None
         if cell.cell_id in seen:
             continue
         seen.add(cell.cell_id)
-        directory = cell_dir_of(cfg, cell)
-        planned.append(PlannedCell(overrides, cell, directory, prior_state(directory, cell.cell_id), _attempt(directory)))
+        directory = sweep_dir(cfg.store_dir, cell.sweep) / cell.dirname
+        planned.append(PlannedCell(overrides, cell, directory, inspect_cell(directory, cell.cell_id)))
     return planned
 
 
 def describe_plan(sweep: str, planned: Sequence[PlannedCell]) -> str:
-    states = Counter(p.state for p in planned)
-    parts = [f"{states[COMPLETE]} complete (skipped)", f"{states[FAILED]} failed (rerun)",
-             f"{states[UNFINISHED]} unfinished (rerun)", f"{states[NEW]} new"]
-    if states[BUSY]:
-        parts.append(f"{states[BUSY]} running elsewhere (skipped)")
+    states = Counter(p.prior.state for p in planned)
+    parts = [f"{states[CellState.COMPLETE]} complete (skipped)", f"{states[CellState.FAILED]} failed (rerun)",
+             f"{states[CellState.UNFINISHED]} unfinished (rerun)", f"{states[CellState.NEW]} new"]
+    if states[CellState.INTERRUPTED]:
+        parts.insert(2, f"{states[CellState.INTERRUPTED]} interrupted (rerun)")
+    if states[CellState.CORRUPT]:
+        parts.append(f"{states[CellState.CORRUPT]} damaged (rerun)")
+    if states[CellState.RUNNING]:
+        parts.append(f"{states[CellState.RUNNING]} running elsewhere (waited for)")
     return f"sweep {sweep}: {len(planned)} cells: " + ", ".join(parts)
 
 
-def current_counts(planned: Sequence[PlannedCell]) -> Counter[str]:
-    """done / running / failed / left among the cells this sweep launches.
+def outcome(cell: PlannedCell) -> tuple[CellState, CellView]:
+    """What became of a launched or waited-for cell in this sweep, from the run store alone.
 
-    A status only counts once its attempt is newer than the one found when the sweep was planned,
-    so an old failure waiting for its rerun is "left", not "failed".
+    One of COMPLETE, RUNNING, FAILED, INTERRUPTED, or NEW for a cell that this sweep has not (re)run
+    (yet). A status counts only once its attempt is newer than the one found when the sweep was
+    planned (an old failure waiting for its rerun is NEW here), except for a cell another worker
+    was already running, whose current attempt is the one this sweep waits for. An attempt that
+    ended damaged or whose worker died (CORRUPT, UNFINISHED) counts as FAILED; the view says which.
     """
-    counts: Counter[str] = Counter()
-    for cell in planned:
-        if not cell.to_launch:
-            continue
-        try:
-            status = read_json(cell.directory / "status.json")
-        except (FileNotFoundError, StoreError):
-            status = {}
-        if int(status.get("attempt", 0)) <= cell.attempt:
-            counts["left"] += 1
-        elif status.get("status") == STATUS_RUNNING:
-            counts["running"] += 1
-        elif status.get("status") == STATUS_COMPLETE:
-            counts["done"] += 1
-        else:
-            counts["failed"] += 1
-    return counts
+    view = inspect_cell(cell.directory, cell.cell.cell_id)
+    if view.state in (CellState.COMPLETE, CellState.RUNNING):
+        return view.state, view
+    if view.attempt <= cell.prior.attempt and not cell.waited_for:
+        return CellState.NEW, view
+    if view.state is CellState.INTERRUPTED:
+        return view.state, view
+    if view.state in (CellState.NEW, CellState.UNFINISHED) and cell.waited_for:
+        return CellState.NEW, view  # its worker stopped without a result
+    return CellState.FAILED, view
+
+
+def tracked(planned: Sequence[PlannedCell]) -> list[PlannedCell]:
+    """The cells whose outcome this sweep reports: the ones it launches or waits for."""
+    return [cell for cell in planned if cell.to_launch or cell.waited_for]
+
+
+def current_counts(planned: Sequence[PlannedCell]) -> Counter[CellState]:
+    """How many of the cells this sweep launches or waits for are in each :func:`outcome` state."""
+    return Counter(outcome(cell)[0] for cell in tracked(planned))
+
+
+def wait_for_others(planned: Sequence[PlannedCell], interval: float) -> None:
+    """Block while a cell of the sweep is held by a live worker (another sweep, another host)."""
+    while any(outcome(cell)[0] is CellState.RUNNING for cell in tracked(planned)):
+        time.sleep(interval)
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+def finished(counts: Counter[CellState]) -> int:
+    return counts[CellState.COMPLETE] + counts[CellState.FAILED] + counts[CellState.INTERRUPTED]
+
+
+def progress_line(sweep: str, counts: Counter[CellState], elapsed: float) -> str:
+    """``sweep s: 7 done, 1 running, 0 failed, 12 left [0:35 elapsed, 5.0 s/cell, ETA 1:00]``.
+
+    The rate counts cells that ended in this sweep; the ETA spreads the remaining ones (running
+    included) at that rate, so it holds for parallel launchers too.
+    """
+    remaining = counts[CellState.RUNNING] + counts[CellState.NEW]
+    timing = f"{format_duration(elapsed)} elapsed"
+    if finished(counts) and remaining:
+        per_cell = elapsed / finished(counts)
+        timing += f", {per_cell:.1f} s/cell, ETA {format_duration(per_cell * remaining)}"
+    shown = [state for state in PROGRESS_WORDS if counts[state] or state is not CellState.INTERRUPTED]
+    return f"sweep {sweep}: " + ", ".join(f"{counts[state]} {PROGRESS_WORDS[state]}" for state in shown) + f" [{timing}]"
 
 
 class ProgressReporter:
-    """Prints how many cells are done, running, failed and left whenever that changes.
+    """Reports how many cells are done, running, failed and left, with the elapsed time and an ETA.
 
     It polls the run store from a thread, so it works whichever launcher runs the cells (in
-    process, joblib workers, Ray, SLURM): the store is the one place they all write to.
+    process, joblib workers, Ray, SLURM): the store is the one place they all write to. On a
+    terminal it draws a tqdm bar; otherwise it prints a line whenever the counts change, which
+    reads well in a log file.
     """
 
     def __init__(self, sweep: str, planned: Sequence[PlannedCell], interval: float = 1.0,
                  stream: TextIO | None = None) -> None:
         self.sweep, self.planned, self.interval = sweep, planned, interval
         self.stream = stream or sys.stdout
+        self.started = time.monotonic()
         self._stop = threading.Event()
         self._last: tuple[int, ...] | None = None
-        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._bar = None
+        if self.stream.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=len(tracked(planned)), desc=f"sweep {sweep}", unit="cell", file=self.stream,
+                             dynamic_ncols=True)
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"progress-{sweep}")
 
     def __enter__(self) -> "ProgressReporter":
         self._thread.start()
@@ -163,6 +195,12 @@ class ProgressReporter:
         self._stop.set()
         self._thread.join()
         self.report()
+        if self._bar is not None:
+            self._bar.close()
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
@@ -170,33 +208,58 @@ class ProgressReporter:
 
     def report(self) -> None:
         counts = current_counts(self.planned)
-        key = (counts["done"], counts["running"], counts["failed"], counts["left"])
+        if self._bar is not None:
+            self._bar.n = finished(counts)
+            self._bar.set_postfix_str(f"{counts[CellState.RUNNING]} running, {counts[CellState.FAILED]} failed",
+                                      refresh=False)
+            self._bar.refresh()
+            return
+        key = tuple(counts[state] for state in PROGRESS_WORDS)
         if key != self._last:
             self._last = key
-            print(f"sweep {self.sweep}: {key[0]} done, {key[1]} running, {key[2]} failed, {key[3]} left",
-                  file=self.stream, flush=True)
+            print(progress_line(self.sweep, counts, self.elapsed), file=self.stream, flush=True)
 
 
-def tally(planned: Sequence[PlannedCell]) -> tuple[Counter[str], list[str]]:
-    """Final counts (complete, failed, skipped) and one line per failed cell with its error."""
-    counts: Counter[str] = Counter()
-    failures = []
-    for cell in planned:
-        if not cell.to_launch:
-            counts["skipped"] += 1
-            continue
-        try:
-            status = read_json(cell.directory / "status.json")
-        except (FileNotFoundError, StoreError) as error:
-            counts["failed"] += 1
-            failures.append(f"{cell.cell.name}: no readable status ({error})")
-            continue
-        if int(status.get("attempt", 0)) <= cell.attempt:
-            counts["failed"] += 1
-            failures.append(f"{cell.cell.name}: was not run by the launcher ({cell.directory})")
-        elif status.get("status") == STATUS_COMPLETE:
-            counts["complete"] += 1
-        else:
-            counts["failed"] += 1
-            failures.append(f"{cell.cell.name}: {status.get('error') or status.get('status')} ({cell.directory})")
-    return counts, failures
+#: The words of the final tally: cells complete before the sweep are "skipped", and a cell the
+#: sweep did not manage to run is "not run".
+TALLY_WORDS = {CellState.COMPLETE: "complete", CellState.FAILED: "failed", CellState.INTERRUPTED: "interrupted",
+               CellState.NEW: "not run"}
+
+
+@dataclass(frozen=True)
+class Tally:
+    """The final count of a sweep (by :func:`outcome` state, plus ``skipped``), and one line per
+    cell that did not complete."""
+
+    counts: Counter[CellState]
+    skipped: int
+    problems: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def line(self, sweep: str, elapsed: float, where: Path | None) -> str:
+        parts = [f"{self.counts[state]} {word}" for state, word in TALLY_WORDS.items()
+                 if self.counts[state] or state in (CellState.COMPLETE, CellState.FAILED)]
+        return (f"sweep {sweep}: {', '.join(parts)}, {self.skipped} skipped in {format_duration(elapsed)} "
+                f"(results under {where or '-'})")
+
+
+def tally(planned: Sequence[PlannedCell]) -> Tally:
+    """Count every cell by its state in the store; a cell that did not run never counts as done."""
+    counts: Counter[CellState] = Counter()
+    problems = []
+    for cell in tracked(planned):
+        ended, view = outcome(cell)
+        counts[ended] += 1
+        name, where = cell.cell.name, cell.directory
+        if ended is CellState.INTERRUPTED:
+            problems.append(f"interrupted: {name}: {view.detail or 'interrupted'} ({where}); a rerun of the sweep "
+                            "runs it again")
+        elif ended is CellState.FAILED:
+            problems.append(f"failed: {name}: {view.detail or view.state.value} ({where})")
+        elif ended is not CellState.COMPLETE:
+            problems.append(f"not run: {name}: {view.detail or 'the launcher did not run it'} ({where}); a rerun "
+                            "of the sweep runs it")
+    return Tally(counts, len(planned) - len(tracked(planned)), problems)

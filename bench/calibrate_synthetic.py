@@ -13,9 +13,8 @@ import argparse
 import time
 
 import numpy as np
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize_config_module
 
-from ablate.app import CONFIG_DIR
 from ablate.backends.synthetic import run_cell_steps
 from ablate.cell import cell_from_config
 
@@ -27,7 +26,7 @@ def measure(overrides: list[str], steps: int, seeds: int) -> tuple[dict[str, flo
     values: dict[str, list[float]] = {key: [] for key in KEYS}
     start = time.perf_counter()
     for seed in range(seeds):
-        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        with initialize_config_module(config_module="ablate.conf", version_base="1.3"):
             cfg = compose("config", overrides=[*overrides, f"seed={seed}", f"backend.steps={steps}"])
         run_cell_steps(cell_from_config(cfg), lambda step, record: [values[k].append(record[k]) for k in KEYS])
     return {key: float(np.nanmean(v)) for key, v in values.items()}, (time.perf_counter() - start) / (steps * seeds)

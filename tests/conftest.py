@@ -32,12 +32,13 @@ TINY = [
 ]
 
 
-def compose_config(*overrides: str, store: Path | None = None):
-    """The real app config, composed with Hydra's compose API."""
-    from hydra import compose, initialize_config_dir
+def compose_config(*overrides: str, store: Path | None = None, tiny: bool = True):
+    """The real app config, composed with Hydra's compose API from the package's configs.
 
-    from ablate.app import CONFIG_DIR
+    ``tiny`` shrinks the synthetic backend (``TINY``); pass False for another backend.
+    """
+    from hydra import compose, initialize_config_module
 
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+    with initialize_config_module(config_module="ablate.conf", version_base="1.3"):
         extra = [f"store_dir={store}"] if store is not None else []
-        return compose("config", overrides=[*TINY, *extra, *overrides])
+        return compose("config", overrides=[*(TINY if tiny else []), *extra, *overrides])

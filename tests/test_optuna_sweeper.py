@@ -14,13 +14,12 @@ import optuna
 import pandas as pd
 import pytest
 from conftest import TINY
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize_config_module
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
-from ablate.app import CONFIG_DIR
 from ablate.runner import run_cell
 from ablate.store import read_json, read_summary
 from hydra_plugins.ablate_optuna_sweeper._search_space import SearchSpaceError, parse_search_space
@@ -98,7 +97,7 @@ def test_search_space_reads_hydra_sweep_syntax():
 
 @pytest.mark.parametrize("name", ["tune_fisher", "pareto_budget"])
 def test_sweep_files_select_the_optuna_sweeper(name):
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+    with initialize_config_module(config_module="ablate.conf", version_base="1.3"):
         cfg = compose("config", overrides=[f"sweeps={name}"], return_hydra_config=True)
         assert cfg.sweep == name
         assert cfg.hydra.sweeper._target_.endswith("AblateOptunaSweeper")
@@ -178,7 +177,7 @@ def test_trials_left_running_by_a_crash_are_relaunched_under_their_number(tmp_pa
     tau = done.params["policy.tau"]
     cfg_overrides = ["policy=fisher", "budget=0.25", f"policy.tau={tau}", "trial=0", "sweep=crash", "tracking.mode=disabled",
                      "tracking.progress=false"]
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+    with initialize_config_module(config_module="ablate.conf", version_base="1.3"):
         summary = run_cell(compose("config", overrides=[*TINY, f"store_dir={tmp_path / 'runs'}", *cfg_overrides]))
 
     optuna_study(tmp_path, "crash", "policy=fisher", "budget=0.25", "policy.tau=interval(0.0, 2.0)", "hydra.sweeper.n_trials=3")

@@ -113,7 +113,31 @@ def test_failing_cell_is_recorded_with_error_and_traceback(tmp_path, monkeypatch
     [
         ("budget=2", r"budget=2.0 in policy=fisher: expected a fraction in \[0, 1\]"),
         ("budget=nan", "budget=nan in policy=fisher"),
-        ("policy.tau=-1", "tau=-1.0 in policy=fisher: expected a temperature >= 0"),
+        ("policy.tau=-1", r"policy.tau=-1.0: expected a finite temperature >= 0"),
+        ("policy.tau=nan", r"policy.tau=nan: expected a finite temperature >= 0"),
+        ("policy.fisher.decay=1.5", r"policy.fisher.decay=1.5: expected an EMA decay in \[0, 1\)"),
+        ("policy.fisher.decay=nan", r"policy.fisher.decay=nan: expected an EMA decay in \[0, 1\)"),
+        ("backend.topk=9", r"backend.topk=9: expected an integer in \[1, 4\] \(backend.experts\)"),
+        ("backend.layers=0", r"backend.layers=0: expected an integer >= 1"),
+        ("backend.steps=0", r"backend.steps=0: expected an integer >= 1"),
+        ("backend.steps=-3", r"backend.steps=-3: expected an integer >= 1"),
+        ("backend.group_size=1", r"backend.group_size=1: expected an integer >= 2"),
+        ("backend.heads=3", r"backend.d_model=16: expected a multiple of backend.heads=3"),
+        ("backend.lr=0", r"backend.lr=0.0: expected a finite number > 0"),
+        ("backend.router_noise=-0.1", r"backend.router_noise=-0.1: expected a finite standard deviation >= 0"),
+        ("backend.rollout_dtype=int8", r"backend.rollout_dtype=int8: expected one of float32"),
+        ("backend.extreme_threshold=1", r"backend.extreme_threshold=1.0: expected a finite ratio > 1"),
+        ("objective=nope", r"objective=nope: expected a summary key"),
+        ("objective=[final_reward,nope]", r"objective=\['final_reward', 'nope'\]: expected a summary key"),
+        ("device=banana", r"device=banana: expected a torch device"),
+        ("device=cuda:7", r"device=cuda:7: expected a CUDA device this machine has"),
+        ("sweep=../../x", r"sweep='../../x': expected one directory name"),
+        ("sweep=/abs/dir", r"sweep='/abs/dir': expected one directory name"),
+        ("sweep=", r"sweep='': expected one directory name"),
+        ("sweep=.", r"sweep='.': expected one directory name"),
+        ("seed=-1", r"seed=-1: expected an integer >= 0"),
+        ("tracking.init_timeout=0", r"tracking.init_timeout=0.0: expected a finite number > 0"),
+        ("tracking.tags=[a,'']", r"tracking.tags=\['a', ''\]: expected a tag or a list of tags"),
     ],
 )
 def test_bad_values_fail_before_any_work(tmp_path, override, message):
@@ -123,6 +147,30 @@ def test_bad_values_fail_before_any_work(tmp_path, override, message):
     with pytest.raises(ConfigError):
         run_cell(cfg)
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("override, message", [
+    ("backend.steps=0", r"backend.steps=0: expected an integer >= 1"),
+    ("backend.fail_at_step=5", r"backend.fail_at_step=5: expected an integer in \[0, 2\] \(backend.steps=3\)"),
+    ("backend.step_seconds=-1", r"backend.step_seconds=-1.0: expected a finite number of seconds >= 0"),
+])
+def test_noop_settings_are_checked(tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        cell_from_config(compose_config("backend=noop", "backend.steps=3", "policy=none", override, store=tmp_path,
+                                        tiny=False))
+
+
+def test_verl_overrides_are_checked(tmp_path):
+    with pytest.raises(ConfigError, match=r"backend.overrides=\['trainer'\]: expected Hydra overrides"):
+        cell_from_config(compose_config("backend=verl", "policy=none", "backend.overrides=[trainer]", store=tmp_path,
+                                        tiny=False))
+
+
+def test_a_single_tag_is_a_list_of_one(tmp_path):
+    cfg = compose_config("policy=none", "tracking.tags=pilot", "tracking.mode=offline", store=tmp_path)
+    run_cell(cfg)
+    (run_dir,) = find_offline_runs(only_cell(tmp_path) / "wandb")
+    assert read_offline_run(run_dir).tags == ["pilot"]
 
 
 def test_none_with_a_budget_is_a_contradiction(tmp_path):
@@ -144,8 +192,7 @@ def test_bad_overrides_on_the_command_line(tmp_path, override, message):
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert result.returncode != 0
     assert message in result.stderr + result.stdout
-    assert not any(p.name != "adhoc" for p in tmp_path.iterdir())
-    assert not list(tmp_path.glob("adhoc/*-*"))  # no cell directory was created
+    assert {p.name for p in tmp_path.iterdir()} <= {"_hydra"}  # Hydra's own log folder, no sweep, no cell
 
 
 def test_cell_identity_is_stable_and_ignores_tracking(tmp_path):
@@ -189,3 +236,13 @@ def test_full_replay_removes_residual_mismatch_and_lowers_kl(tmp_path):
             assert (records["routing/route_mismatch_rate"] > 0).any()  # there is something to fix
     for seed in (0, 1, 2):
         assert kl["full", seed] < kl["none", seed], kl
+
+
+def test_a_backend_that_logs_no_step_fails_its_cell(tmp_path, monkeypatch):
+    """A complete cell always has records, so resume and the analysis can trust 'complete'."""
+    monkeypatch.setitem(BACKENDS, "noop", f"{__name__}:_silent")
+    monkeypatch.setattr(sys.modules[__name__], "_silent", lambda cell, log_step: None, raising=False)
+    cfg = compose_config("backend=noop", "policy=none", "tracking.mode=disabled", store=tmp_path, tiny=False)
+    with pytest.raises(RuntimeError, match="backend=noop returned without logging a step"):
+        run_cell(cfg)
+    assert read_json(only_cell(tmp_path) / "status.json")["status"] == "failed"

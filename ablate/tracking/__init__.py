@@ -7,7 +7,7 @@ from ablate.tracking.offline_reader import (
     is_complete,
     read_offline_run,
 )
-from ablate.tracking.wandb_run import TRACKER_MODES, WandbTracker, start_tracker
+from ablate.tracking.wandb_run import TRACKER_MODES, WandbTracker, restart_wandb, start_tracker
 
 __all__ = [
     "TRACKER_MODES",
@@ -17,5 +17,6 @@ __all__ = [
     "history_frame",
     "is_complete",
     "read_offline_run",
+    "restart_wandb",
     "start_tracker",
 ]

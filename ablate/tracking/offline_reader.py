@@ -1,28 +1,34 @@
-"""Read a W&B run back from its local transaction log, with no account and no server.
+"""Read a W&B run back from its local transaction log (the ``run-<id>.wandb`` file), offline.
 
-W&B has no public reader for offline runs, yet the ``.wandb`` file is the only complete local
-copy of what a cell sent to W&B: this module turns it into plain Python values so tests and
-the analysis can check what a dashboard will show. Records are decoded with wandb's own
-protobuf classes (``wandb.proto.wandb_internal_pb2.Record``); the block framing is in
-``logfile``.
+Why a reader at all, when the run store already holds every record a cell logged: the ``.wandb``
+file is the only copy of what W&B itself received, and two jobs need it. The tracker waits after
+``finish()`` until the file holds the run's exit record (``wandb-core`` completes the file in the
+background, see ``wandb_run``), and the tests and ``load_runs(source="wandb-offline")`` check what
+a dashboard will show against the run store. Nothing else answers either question: W&B's public
+API reads runs from a server, not from disk.
+
+The file is decoded by wandb's own reader, never by hand: the ``wandb leet inspect --json``
+command that wandb 0.31 ships prints every record of a transaction log as one JSON object per
+line (protobuf's JSON form of ``wandb_internal_pb2.Record``), tolerating a truncated or damaged
+tail. We run the ``wandb-core`` binary that the command launches, with the same arguments, so a
+read costs milliseconds instead of a Python start-up; the file format stays wandb's business.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import math
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from google.protobuf.message import DecodeError
-from wandb.proto import wandb_internal_pb2 as pb
-
-from ablate.tracking.logfile import scan_log
 
 #: History column holding each row's x-axis value (the tracker logs it under this name).
 STEP_KEY = "step"
+#: How protobuf's JSON form writes the floats that JSON has no literal for.
+SPECIAL_FLOATS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
 @dataclass(frozen=True)
@@ -32,8 +38,9 @@ class OfflineRun:
     ``history`` has one dict per ``log`` call, each with ``STEP_KEY``; keys W&B adds itself
     (``_step``, ``_runtime``, ``_timestamp``, ``_wandb``) are left out of ``history`` and
     ``summary``. ``complete`` is True only when the run's exit record was read: a run that
-    crashed, or whose file is still being written, is incomplete. ``problem`` says why reading
-    stopped before the end of the file (a truncated or corrupt tail), or is ``None``.
+    crashed, or whose file is still being written, is incomplete. ``problem`` is what the reader
+    said about a truncated or damaged file (the records it could read are still returned), or
+    ``None``.
     """
 
     path: Path
@@ -72,15 +79,31 @@ def resolve_log_file(path: Path | str) -> Path:
     return logs[0]
 
 
+def read_records(path: Path | str) -> tuple[Path, list[dict[str, Any]], str | None]:
+    """The log file, its records as JSON objects, and what the reader said about damage (or None).
+
+    Raises ``ValueError`` naming the path when the file is not a W&B transaction log at all.
+    """
+    from wandb.util import get_core_path
+
+    log_file = resolve_log_file(path)
+    command = [get_core_path(), "leet", "inspect", "--no-observability", "--json", "--run-file", str(log_file),
+               str(log_file.parent)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    message = result.stderr.strip() or None
+    if result.returncode != 0:
+        raise ValueError(f"{log_file}: not a readable W&B transaction log ({message or f'exit status {result.returncode}'})")
+    records = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
+    return log_file, records, message
+
+
 def read_offline_run(path: Path | str) -> OfflineRun:
     """Decode the run at ``path`` (a run directory or its ``.wandb`` file).
 
     A truncated file gives every record written whole and ``complete=False``; a file that is
     not a W&B transaction log raises ``ValueError`` naming the path.
     """
-    log_file = resolve_log_file(path)
-    scan = scan_log(log_file)
-    records, problem = _decode(log_file, scan.payloads, scan.problem)
+    log_file, records, problem = read_records(path)
     builder = _RunBuilder()
     for record in records:
         builder.add(record)
@@ -88,22 +111,8 @@ def read_offline_run(path: Path | str) -> OfflineRun:
 
 
 def is_complete(path: Path | str) -> bool:
-    """Whether the run's log already holds its exit record.
-
-    Cheaper than ``read_offline_run``: records are decoded from the end backwards and none is
-    converted to Python values. The exit record is usually the last one, but records that
-    ``wandb-core`` produces in the background (system metrics, the machine description) can
-    follow it, so the search does not stop at the last record.
-    """
-    for payload in reversed(scan_log(resolve_log_file(path)).payloads):
-        record = pb.Record()
-        try:
-            record.ParseFromString(payload)
-        except DecodeError:
-            continue  # an undecodable record cannot be the exit record
-        if record.HasField("exit"):
-            return True
-    return False
+    """Whether the run's log already holds its exit record (records after it are allowed)."""
+    return any(record.get("type") == "exit" for record in read_records(path)[1])
 
 
 def history_frame(run: OfflineRun) -> pd.DataFrame:
@@ -122,107 +131,63 @@ def history_frame(run: OfflineRun) -> pd.DataFrame:
     return frame[[STEP_KEY, *sorted(c for c in frame.columns if c != STEP_KEY)]]
 
 
-def _decode(
-    log_file: Path, payloads: Iterable[bytes], problem: str | None
-) -> tuple[list[pb.Record], str | None]:
-    """Parse payloads into records, stopping (not raising) at the first undecodable one."""
-    records = []
-    for index, payload in enumerate(payloads):
-        record = pb.Record()
-        try:
-            record.ParseFromString(payload)
-        except DecodeError as error:
-            return records, f"{log_file}: record {index} is not a wandb Record ({error})"
-        records.append(record)
-    return records, problem
+def _value(value: Any) -> Any:
+    return SPECIAL_FLOATS.get(value, value) if isinstance(value, str) else value
 
 
-def _item_key(item: Any) -> str:
-    """The flat key of a config, history or summary item (``key`` or its ``nested_key`` path)."""
-    return item.key or ".".join(item.nested_key)
-
-
-def _history_value(item: pb.HistoryItem) -> Any:
-    """A logged value, from its typed form when wandb wrote one, else from its JSON text.
-
-    wandb 0.31 writes ``value_json`` by default and typed scalars when the
-    ``x_history_value_encoding`` setting asks for them; the typed form keeps ints and floats
-    apart, so it wins when both are present.
-    """
-    case = item.WhichOneof("value")
-    if case is None:
-        return json.loads(item.value_json)
-    if case == "none":
-        return None
-    if case == "json":
-        return json.loads(item.json)
-    return getattr(item, case)
-
-
-def _is_internal(key: str) -> bool:
-    return key.startswith("_")
+def _visible(values: dict[str, Any]) -> dict[str, Any]:
+    """Logged values without the keys W&B adds itself (``_step``, ``_runtime``, ``_wandb``...)."""
+    return {key: _value(value) for key, value in values.items() if not key.startswith("_")}
 
 
 class _RunBuilder:
     """Folds records in log order into the fields of an ``OfflineRun``."""
 
     def __init__(self) -> None:
-        self.run: pb.RunRecord | None = None
+        self.run: dict[str, Any] = {}
         self.config: dict[str, Any] = {}
         self.history: list[dict[str, Any]] = []
         self.summary: dict[str, Any] = {}
-        self.exit: pb.RunExitRecord | None = None
+        self.exit: dict[str, Any] | None = None
 
-    def add(self, record: pb.Record) -> None:
-        kind = record.WhichOneof("record_type")
+    def add(self, record: dict[str, Any]) -> None:
+        kind = record.get("type")
+        body = record.get(kind, {}) if isinstance(kind, str) else {}
         if kind == "run":
-            self.run = record.run
-            self._update_config(record.run.config)
+            self.run = body
+            self._update(self.config, body.get("config", {}))
         elif kind == "config":
-            self._update_config(record.config)
+            self._update(self.config, body)
         elif kind == "history":
-            self._add_history(record.history)
+            item = body.get("item", {})
+            row = _visible(item)
+            row.setdefault(STEP_KEY, item.get("_step", body.get("step", {}).get("num", 0)))
+            self.history.append(row)
         elif kind == "summary":
-            self._update_summary(record.summary)
+            self._update(self.summary, body)
         elif kind == "exit":
-            self.exit = record.exit
+            self.exit = body
 
-    def _update_config(self, config: pb.ConfigRecord) -> None:
-        for item in config.update:
-            key = _item_key(item)
-            if key != "_wandb":
-                self.config[key] = json.loads(item.value_json)
-        for item in config.remove:
-            self.config.pop(_item_key(item), None)
-
-    def _add_history(self, history: pb.HistoryRecord) -> None:
-        values = {_item_key(item): _history_value(item) for item in history.item}
-        row = {key: value for key, value in values.items() if not _is_internal(key)}
-        row.setdefault(STEP_KEY, values.get("_step", history.step.num))
-        self.history.append(row)
-
-    def _update_summary(self, summary: pb.SummaryRecord) -> None:
-        for item in summary.update:
-            key = _item_key(item)
-            if not _is_internal(key):
-                self.summary[key] = json.loads(item.value_json)
-        for item in summary.remove:
-            self.summary.pop(_item_key(item), None)
+    @staticmethod
+    def _update(target: dict[str, Any], change: dict[str, Any]) -> None:
+        target.update(_visible(change.get("update", {})))
+        for key in change.get("remove", {}):
+            target.pop(key, None)
 
     def build(self, log_file: Path, problem: str | None) -> OfflineRun:
-        run = self.run or pb.RunRecord()
+        run = self.run
         return OfflineRun(
             path=log_file,
-            run_id=run.run_id,
-            name=run.display_name,
-            group=run.run_group,
-            job_type=run.job_type,
-            project=run.project,
-            tags=list(run.tags),
+            run_id=run.get("run_id", ""),
+            name=run.get("display_name", ""),
+            group=run.get("run_group", ""),
+            job_type=run.get("job_type", ""),
+            project=run.get("project", ""),
+            tags=list(run.get("tags", [])),
             config=self.config,
             history=self.history,
             summary=self.summary,
-            exit_code=self.exit.exit_code if self.exit is not None else None,
+            exit_code=int(self.exit.get("exit_code", 0)) if self.exit is not None else None,
             complete=self.exit is not None,
             problem=problem,
         )

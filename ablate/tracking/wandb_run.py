@@ -1,10 +1,21 @@
 """One W&B run per cell, which can never cost the cell its work.
 
-The run store is the source of truth (DESIGN.md section 5); W&B is a mirror. So every W&B
+The run store is the source of truth (docs/design.md section 5); W&B is a mirror. So every W&B
 failure (no network, a bad key, a crashed ``wandb-core``) turns the tracker into a no-op that
-records a readable warning, and the cell carries on.
+records a readable warning, and the cell carries on. Failures do not outlive their cell:
 
-Two wandb 0.31 behaviours shape this module:
+- An online run that cannot reach the server within ``init_timeout`` continues offline, under
+  the same run id, ready for ``wandb sync``; later cells of the process go offline at once
+  rather than each waiting for the timeout again.
+- After any W&B error the W&B service of the process is torn down, so the next cell starts a
+  fresh ``wandb-core`` (a ``wandb-core`` that died would otherwise fail every later cell with
+  ``MailboxClosedError``). An init that fails is retried once on a fresh service.
+
+Each cell has one W&B run id (chosen by the runner and kept in the run store), and runs are
+started with ``resume="allow"``: a rerun of an interrupted cell continues the same W&B run online,
+and offline it replaces the partial run, whose folder the run store removed.
+
+Three wandb 0.31 behaviours shape this module:
 
 - Many cells run in one process (Hydra's in-process launcher), so runs are created with
   ``reinit="create_new"``: each cell gets its own run object and nothing touches the global
@@ -15,6 +26,8 @@ Two wandb 0.31 behaviours shape this module:
   ``finish`` here waits, with a bound, until the log ends with the run's exit record, which is
   much cheaper than ``wandb.teardown()`` (that stops the shared service and makes the next
   cell pay for a restart).
+- ``wandb.teardown()`` forgets the service before it talks to it, so after a crash of
+  ``wandb-core`` it raises (the connection is gone) yet leaves the process ready for a new one.
 """
 
 from __future__ import annotations
@@ -33,6 +46,17 @@ logger = logging.getLogger(__name__)
 
 TRACKER_MODES = ("offline", "online", "disabled")
 
+#: Set once an online run of this process failed to reach the server: later cells log offline.
+_server_unreachable: list[str] = []
+
+
+def restart_wandb() -> None:
+    """Tear down this process's W&B service so the next run starts a fresh ``wandb-core``."""
+    try:
+        wandb.teardown()
+    except Exception as error:  # a dead service cannot be told to stop; it is forgotten all the same
+        logger.debug("wandb.teardown after a W&B failure: %s: %s", type(error).__name__, error)
+
 
 class WandbTracker:
     """Logs one cell to one W&B run; a no-op when disabled or once W&B has failed.
@@ -45,14 +69,14 @@ class WandbTracker:
     def __init__(self, run: wandb.Run | None, flush_timeout: float) -> None:
         self._run = run
         self._flush_timeout = flush_timeout
-        self._log_failed = False
+        self._failed = False
         self.warnings: list[str] = []
         self.run_path: Path | None = Path(run.settings.sync_file).parent if run else None
 
     @property
     def active(self) -> bool:
         """Whether metrics still reach W&B."""
-        return self._run is not None and not self._log_failed
+        return self._run is not None and not self._failed
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """Log one training step; ``step`` becomes the x-axis of every key."""
@@ -62,29 +86,33 @@ class WandbTracker:
                 f"pass the step as log(..., step={step!r}) instead"
             )
         run = self._run
-        if run is None or self._log_failed:
+        if run is None or self._failed:
             return
         try:
             run.log({**metrics, STEP_KEY: step})
         except Exception as error:  # W&B must never cost the cell its work
-            self._log_failed = True
+            self._failed = True
             self._warn(f"W&B log failed at step {step}, further steps are not sent to W&B", error)
 
     def finish(self, summary: Mapping[str, Any] | None = None, exit_code: int = 0) -> None:
         """Write the summary, close the run and wait until its log file is complete.
 
         Idempotent, so it can sit in a ``finally`` that may run after an earlier ``finish``.
-        The run is closed even after a failed ``log``, so W&B does not keep it open.
+        The run is closed even after a failed ``log``, so W&B does not keep it open; after any
+        W&B failure the service is restarted for the next cell.
         """
         run, self._run = self._run, None
         if run is None:
             return
         try:
-            if summary:
+            if summary and not self._failed:
                 run.summary.update(dict(summary))
             run.finish(exit_code=exit_code)
         except Exception as error:
+            self._failed = True
             self._warn("W&B finish failed, the run's W&B record may be incomplete", error)
+        if self._failed:
+            restart_wandb()
             return
         self._wait_for_exit_record()
 
@@ -95,11 +123,11 @@ class WandbTracker:
             self._run.define_metric(STEP_KEY)
             self._run.define_metric("*", step_metric=STEP_KEY)
         except Exception as error:
-            self._log_failed = True
+            self._failed = True
             self._warn("W&B define_metric failed, no steps are sent to W&B", error)
 
     def _wait_for_exit_record(self) -> None:
-        """Poll the log until it ends with the exit record, or warn after ``flush_timeout``."""
+        """Poll the log until it holds the exit record, or warn after ``flush_timeout``."""
         assert self.run_path is not None
         deadline = time.monotonic() + self._flush_timeout
         pause = 0.002
@@ -137,48 +165,75 @@ def start_tracker(
     job_type: str,
     name: str,
     config: Mapping[str, Any],
-    init_timeout: float = 30.0,
+    run_id: str | None = None,
+    init_timeout: float = 10.0,
     finish_timeout: float = 60.0,
     flush_timeout: float = 30.0,
     save_requirements: bool = False,
 ) -> WandbTracker:
     """Start the W&B run of one cell; W&B files go under ``run_dir/"wandb"``.
 
-    ``config`` is stored as given (the caller flattens it). ``init_timeout`` bounds how long an
-    online run waits for the server before giving up; ``finish_timeout`` bounds the final
-    upload of an online run (its data stays on disk for ``wandb sync``); ``flush_timeout``
-    bounds the wait for the log file after ``finish``. ``save_requirements`` stores a
-    ``requirements.txt`` in every run; it is off by default because listing the installed
-    packages is most of a cell's W&B start-up time and every cell of a sweep shares them.
-    Only an unknown ``mode`` raises: W&B failures become warnings on the returned tracker.
+    ``config`` is stored as given (the caller flattens it). ``run_id`` is the cell's W&B run id
+    (every attempt of a cell passes the same one). ``init_timeout`` bounds how long a run may
+    take to start (online: to reach the server) before it continues offline; ``finish_timeout``
+    bounds the final upload of an online run (its data stays on disk for ``wandb sync``);
+    ``flush_timeout`` bounds the wait for the log file after ``finish``. ``save_requirements``
+    stores a ``requirements.txt`` in every run; it is off by default because listing the
+    installed packages is most of a cell's W&B start-up time and every cell of a sweep shares
+    them. Only an unknown ``mode`` raises: W&B failures become warnings on the returned tracker.
     """
     if mode not in TRACKER_MODES:
         raise ValueError(f"W&B mode={mode!r}: expected one of {', '.join(TRACKER_MODES)}")
     if mode == "disabled":
         return WandbTracker(None, flush_timeout)
     run_dir = Path(run_dir)
-    try:
+    notes: list[str] = []
+    if mode == "online" and _server_unreachable:
+        notes.append(f"W&B server unreachable earlier in this process ({_server_unreachable[0]}): "
+                     "this cell logs offline; upload it later with wandb sync")
+        mode = "offline"
+
+    def init(run_mode: str) -> wandb.Run:
         run_dir.mkdir(parents=True, exist_ok=True)
-        run = wandb.init(
-            mode=mode,
-            project=project,
-            entity=entity,
-            tags=list(tags),
-            dir=str(run_dir),
-            group=group,
-            job_type=job_type,
-            name=name,
-            config=dict(config),
-            reinit="create_new",
-            settings=_settings(init_timeout, finish_timeout, save_requirements),
+        return wandb.init(
+            mode=run_mode, project=project, entity=entity, tags=list(tags), dir=str(run_dir), group=group,
+            job_type=job_type, name=name, config=dict(config), id=run_id, resume="allow" if run_id else None,
+            reinit="create_new", settings=_settings(init_timeout, finish_timeout, save_requirements),
         )
-    except Exception as error:  # W&B must never cost the cell its work
-        tracker = WandbTracker(None, flush_timeout)
+
+    run, error = _attempt(init, mode)
+    if run is None and mode == "online":
+        _server_unreachable.append(f"{type(error).__name__}: {error}")
+        notes.append(f"W&B online start failed within init_timeout={init_timeout:g} s ({type(error).__name__}: "
+                     f"{error}): this cell logs offline; upload it later with wandb sync")
+        run, error = _attempt(init, "offline")
+    tracker = WandbTracker(run, flush_timeout)
+    for note in notes:
+        tracker._warn(note, None)
+    if run is None:
         tracker._warn(f"W&B init failed (mode={mode}), the cell runs without W&B", error)
         return tracker
-    tracker = WandbTracker(run, flush_timeout)
     tracker._use_step_axis()
     return tracker
+
+
+def _attempt(init: Any, mode: str) -> tuple[wandb.Run | None, Exception | None]:
+    """``init(mode)``; an offline init that fails is retried once on a fresh W&B service.
+
+    Offline, nothing but the local service can fail, so a failure most likely means that it died.
+    Online, the server is the likely cause, and a retry would only wait for it again.
+    """
+    try:
+        return init(mode), None
+    except Exception as error:  # W&B must never cost the cell its work
+        if mode == "online":
+            return None, error
+        logger.debug("W&B init failed (%s: %s); retrying on a fresh service", type(error).__name__, error)
+    restart_wandb()
+    try:
+        return init(mode), None
+    except Exception as error:
+        return None, error
 
 
 def _settings(

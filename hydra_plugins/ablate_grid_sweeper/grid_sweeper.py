@@ -3,21 +3,26 @@
 The grid is expanded exactly as Hydra's basic sweeper does (command-line sweeps and
 ``hydra.sweeper.params``); :func:`ablate.sweep.plan_grid` then collapses ``none``/``full`` to one
 cell per seed, validates every cell and skips the complete ones, and only the remaining cells
-go to the configured launcher (in process, joblib, Ray, submitit). At the end it prints a tally
-and fails (exit status 1) if any cell failed; the other cells still ran.
+go to the configured launcher (in process, joblib, Ray, submitit). Cells that another live
+worker is running are waited for. At the end it prints a tally and fails (exit status 1) if any
+cell did not complete; the other cells still ran. Ctrl-C or SIGTERM stops the sweep: the running
+cell is recorded as interrupted, the tally is printed, and the exit status is 130 or 143.
 """
 
 
+import copy
 import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import OmegaConf, open_dict
+from hydra.core.override_parser.types import Override
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +43,74 @@ class AblateGridSweeperConf:
 ConfigStore.instance().store(group="hydra/sweeper", name="ablate_grid", node=AblateGridSweeperConf, provider="ablate")
 
 
+class JobComposer:
+    """Composes the app config of each job of a grid as Hydra would, but once per group choice.
+
+    Hydra composes a job in two phases: overrides of config groups (``policy=fisher``) choose the
+    defaults list, then the other overrides (``budget=0.1``, ``policy.tau=1``) are applied to the
+    composed config with ``_apply_overrides_to_config``. A grid has few group choices and many
+    values, so the first phase is cached per set of group overrides, and the second is Hydra's own
+    function applied to the cached config, whose previous values are put back at the next call
+    (copying an OmegaConf config per job would cost more than the rest of planning). Which
+    override is a group override is decided as Hydra decides it (``repository.group_exists``).
+
+    The returned config is valid until the next call.
+    """
+
+    def __init__(self, master: DictConfig, config_loader: ConfigLoaderImpl) -> None:
+        self.master, self.loader = master, config_loader
+        self.parser = OverridesParser.create(config_loader=config_loader)
+        self._parsed: dict[str, Override] = {}
+        self._composed: dict[tuple[str, ...], DictConfig] = {}
+        self._undo: list[tuple[DictConfig, str, Any]] = []
+
+    def parse(self, override: str) -> Override:
+        if override not in self._parsed:
+            self._parsed[override] = self.parser.parse_override(override)
+        return self._parsed[override]
+
+    def __call__(self, overrides: list[str]) -> DictConfig:
+        self._restore()
+        groups, values = [], []
+        for override in map(self.parse, overrides):
+            is_group = self.loader.repository.group_exists(override.key_or_group)
+            (values if isinstance(override.value(), dict) or not is_group else groups).append(override)
+        key = tuple(o.input_line for o in groups if o.input_line is not None)
+        if key not in self._composed:
+            composed = self.loader.load_sweep_config(self.master, list(key))
+            with open_dict(composed):
+                del composed["hydra"]
+            self._composed[key] = composed
+        cfg = self._composed[key]
+        if not all(self._replaces_a_value(cfg, o) for o in values):
+            cfg = copy.deepcopy(cfg)  # adds, deletions and containers: nothing to put back
+        else:
+            for override in values:
+                parent, leaf = self._parent(cfg, override.key_or_group)
+                self._undo.append((parent, leaf, parent._get_node(leaf)._value()))
+        ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+        return cfg
+
+    @staticmethod
+    def _parent(cfg: DictConfig, key: str) -> tuple[DictConfig, str]:
+        head, _, leaf = key.rpartition(".")
+        return (OmegaConf.select(cfg, head) if head else cfg), leaf
+
+    def _replaces_a_value(self, cfg: DictConfig, override: Override) -> bool:
+        """A plain ``key=value`` on an existing leaf: the one kind of change that is put back."""
+        if override.is_add() or override.is_force_add() or override.is_delete():
+            return False
+        parent, leaf = self._parent(cfg, override.key_or_group)
+        if not isinstance(parent, DictConfig) or leaf not in parent:
+            return False
+        return not isinstance(parent._get_node(leaf), (DictConfig, ListConfig))
+
+    def _restore(self) -> None:
+        while self._undo:
+            parent, leaf, raw = self._undo.pop()
+            parent[leaf] = raw
+
+
 class AblateGridSweeper(BasicSweeper):
     def __init__(self, max_batch_size: Optional[int], params: Optional[dict[str, str]] = None,
                  progress_interval: float = 2.0, dry_run: bool = False) -> None:
@@ -45,29 +118,31 @@ class AblateGridSweeper(BasicSweeper):
         self.progress_interval = progress_interval
         self.dry_run = dry_run
 
-    def _compose(self, overrides: list[str]):
-        assert self.config is not None and self.hydra_context is not None
-        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
-        with open_dict(cfg):
-            del cfg["hydra"]
-        return cfg
-
     def sweep(self, arguments: list[str]) -> Any:
-        from ablate.sweep import ProgressReporter, describe_plan, plan_grid, tally
+        from ablate.cell import ConfigError
+        from ablate.interrupts import as_interrupted, signals_interrupt
+        from ablate.store import store_root
+        from ablate.sweep import ProgressReporter, describe_plan, plan_grid, tally, wait_for_others
 
         assert self.config is not None and self.launcher is not None and self.hydra_context is not None
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         overrides = parser.parse_overrides([*self._parse_config(), *arguments])
         jobs = [job for batch in self.split_arguments(overrides, None) for job in batch]
         # Every worker writes to the same store, wherever its working directory is (Ray, SLURM).
-        store = f"store_dir={Path(str(self.config.store_dir)).expanduser().absolute()}"
-        planned = plan_grid([[*(o for o in job if not o.startswith("store_dir=")), store] for job in jobs], self._compose)
+        store = f"store_dir={store_root(str(self.config.store_dir))}"
+        compose = JobComposer(self.config, self.hydra_context.config_loader)
+        try:
+            planned = plan_grid([[*(o for o in job if not o.startswith("store_dir=")), store] for job in jobs], compose)
+        except ConfigError as error:
+            # One line, before any cell starts: the whole grid is checked first.
+            print(f"ablate: {error}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
         sweep_name = str(self.config.sweep)
         log.info(describe_plan(sweep_name, planned))
         if self.dry_run:
             for cell in planned:
                 shown = [o for o in cell.overrides if not o.startswith("store_dir=")]
-                print(f"{cell.state:<10} {cell.cell.name:<28} {' '.join(shown)}")
+                print(f"{cell.prior.state.value:<11} {cell.cell.name:<28} {' '.join(shown)}")
             return []
 
         sweep_dir = Path(self.config.hydra.sweep.dir)
@@ -77,18 +152,28 @@ class AblateGridSweeper(BasicSweeper):
         to_launch = [cell for cell in planned if cell.to_launch]
         batch_size = self.max_batch_size or max(len(to_launch), 1)
         returns = []
-        with ProgressReporter(sweep_name, planned, interval=self.progress_interval):
-            for start in range(0, len(to_launch), batch_size):
-                batch = [cell.overrides for cell in to_launch[start : start + batch_size]]
-                returns.append(self.launcher.launch(batch, initial_job_idx=start))
-        counts, failures = tally(planned)
-        line = (f"sweep {sweep_name}: {counts['complete']} complete, {counts['failed']} failed, "
-                f"{counts['skipped']} skipped (results under {planned[0].directory.parent if planned else '-'})")
-        print(line, flush=True)
-        for failure in failures:
-            print(f"  failed: {failure}", flush=True)
-        if failures:
-            # SystemExit rather than an exception: the tally above is the report, not a traceback.
-            print(f"{len(failures)} of {len(planned)} cells failed; the other cells ran to the end", file=sys.stderr)
+        stopped = None
+        reporter = ProgressReporter(sweep_name, planned, interval=self.progress_interval)
+        with reporter:
+            try:
+                with signals_interrupt():
+                    for start in range(0, len(to_launch), batch_size):
+                        batch = [cell.overrides for cell in to_launch[start : start + batch_size]]
+                        returns.append(self.launcher.launch(batch, initial_job_idx=start))
+                    wait_for_others(planned, self.progress_interval)
+            except KeyboardInterrupt as error:
+                stopped = as_interrupted(error)
+        result = tally(planned)
+        print(result.line(sweep_name, reporter.elapsed, planned[0].directory.parent if planned else None), flush=True)
+        for problem in result.problems:
+            print(f"  {problem}", flush=True)
+        # SystemExit rather than an exception: the tally above is the report, not a traceback.
+        if stopped is not None:
+            print(f"ablate: sweep {sweep_name} interrupted by {stopped.signal_name}; run the same command again "
+                  "to resume it (complete cells are skipped)", file=sys.stderr, flush=True)
+            raise SystemExit(stopped.exit_status)
+        if not result.ok:
+            print(f"{len(result.problems)} of {len(planned)} cells did not complete; the other cells ran to the end",
+                  file=sys.stderr, flush=True)
             raise SystemExit(1)
         return returns

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
+import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,9 +25,12 @@ from hydra.core.plugins import Plugins
 from hydra.core.utils import JobReturn
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, ListConfig
+from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
 from optuna.storages import BaseStorage, JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, TrialState
+
+from ablate.store import atomic_write, store_root
 
 from ._search_space import parse_search_space
 from .config import SamplerConf, SamplerName
@@ -94,13 +97,14 @@ class OptunaStudySweep:
         finished = sum(t.state in FINISHED for t in previous)
         to_ask = max(0, self.n_trials - finished - len(interrupted))
         log.info(
-            "Study %r in %s: %d trials finished, %d interrupted (relaunched), %d to ask for (n_trials=%d); "
-            "search space: %s",
+            "Study %r in %s: %d trials finished, %d interrupted (relaunched), %d to ask for (n_trials=%d). "
+            "Search space:\n%s",
             study.study_name, self._storage_text(), finished, len(interrupted), to_ask, self.n_trials,
-            ", ".join(f"{k}={v}" for k, v in space.distributions.items()) or "empty",
+            describe_space(space.distributions),
         )
+        self.started, self.finished_here = time.monotonic(), 0
         # Every worker writes to the same store, wherever its working directory is (Ray, SLURM).
-        store = f"store_dir={Path(str(self.config.store_dir)).expanduser().absolute()}"
+        store = f"store_dir={store_root(str(self.config.store_dir))}"
         while interrupted or to_ask:
             batch: list[tuple[int, dict[str, Any]]] = []
             while interrupted and len(batch) < self.n_jobs:
@@ -111,12 +115,13 @@ class OptunaStudySweep:
                 batch.append((trial.number, trial.params))
                 to_ask -= 1
             returns = self.launcher.launch(
-                [[*space.trial_overrides(params), f"{TRIAL_KEY}={number}", store] for number, params in batch],
+                [[*(o for o in space.trial_overrides(params) if not o.startswith("store_dir=")), f"{TRIAL_KEY}={number}", store] for number, params in batch],
                 initial_job_idx=self.job_idx,
             )
             self.job_idx += len(returns)
-            for (number, _), result in zip(batch, returns):
+            for (number, params), result in zip(batch, returns):
                 self._tell(study, number, result)
+                self._log_trial(study, number, params)
             self._check_failures(study)
         self._report(study)
 
@@ -139,6 +144,30 @@ class OptunaStudySweep:
         frozen = study.tell(number, values, skip_if_finished=True)
         if frozen.state == TrialState.FAIL:  # Optuna fails a trial whose value is NaN
             self.last_error = ValueError(f"trial {number} returned {values}")
+
+    def _log_trial(self, study: optuna.Study, number: int, params: dict[str, Any]) -> None:
+        """``trial 4/40 (#3): final_reward=0.41 | policy.tau=0.53 ... [best 0.45 (#2), 1:02 elapsed, ETA 9:18]``."""
+        from ablate.sweep import format_duration
+
+        trials = study.get_trials(deepcopy=False)
+        frozen = trials[number]
+        done = sum(t.state in FINISHED for t in trials)
+        self.finished_here += 1
+        names = study.metric_names or [f"value_{i}" for i in range(len(self.directions))]
+        if frozen.state == TrialState.COMPLETE:
+            outcome = ", ".join(f"{n}={v:.4g}" for n, v in zip(names, frozen.values))
+        else:
+            outcome = f"{frozen.state.name.lower()}"
+        shown = " ".join(f"{k}={_short(v)}" for k, v in params.items())
+        timing = f"{format_duration(time.monotonic() - self.started)} elapsed"
+        left = max(0, self.n_trials - done)
+        if left:
+            per_trial = (time.monotonic() - self.started) / self.finished_here
+            timing += f", ETA {format_duration(per_trial * left)}"
+        best = ""
+        if len(self.directions) == 1 and any(t.state == TrialState.COMPLETE for t in trials):
+            best = f"best {study.best_value:.4g} (#{study.best_trial.number}), "
+        log.info("trial %d/%d (#%d): %s | %s [%s%s]", done, self.n_trials, number, outcome, shown, best, timing)
 
     def _check_failures(self, study: optuna.Study) -> None:
         failed = sum(t.state == TrialState.FAIL for t in study.get_trials(deepcopy=False))
@@ -187,7 +216,7 @@ class OptunaStudySweep:
     def _journal_path(self) -> Optional[Path]:
         if self.storage is None or "://" in self.storage:
             return None
-        return Path(self.storage).expanduser().absolute()
+        return store_root(self.storage)
 
     def _storage_text(self) -> str:
         path = self._journal_path()
@@ -236,7 +265,7 @@ class OptunaStudySweep:
             lines.append(f"  trial {trial.number}: {values} | {params}")
         log.info("\n".join(lines) if best else f"Study {study.study_name!r} has no complete trial")
         if self.export_dir is not None:
-            self._export(study, best, Path(self.export_dir).expanduser().absolute())
+            self._export(study, best, store_root(self.export_dir))
         path = self._journal_path()
         if path is not None:
             log.info("Browse the study: optuna-dashboard %s", path)
@@ -244,8 +273,8 @@ class OptunaStudySweep:
     def _export(self, study: optuna.Study, best: Sequence[FrozenTrial], directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         frame = study.trials_dataframe()
-        _atomic_write(directory / "optuna_trials.csv", lambda tmp: frame.to_csv(tmp, index=False))
-        _atomic_write(directory / "optuna_trials.parquet", lambda tmp: frame.to_parquet(tmp, index=False))
+        atomic_write(directory / "optuna_trials.csv", lambda tmp: frame.to_csv(tmp, index=False))
+        atomic_write(directory / "optuna_trials.parquet", lambda tmp: frame.to_parquet(tmp, index=False))
         report = {
             "study_name": study.study_name,
             "directions": self.directions,
@@ -255,8 +284,33 @@ class OptunaStudySweep:
             ],
         }
         text = json.dumps(report, indent=2, default=str) + "\n"
-        _atomic_write(directory / "optuna_best.json", lambda tmp: tmp.write_text(text))
+        atomic_write(directory / "optuna_best.json", lambda tmp: tmp.write_text(text))
         log.info("Trials exported to %s/optuna_trials.{csv,parquet}, best trials to optuna_best.json", directory)
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def describe_space(distributions: dict[str, BaseDistribution]) -> str:
+    """One line per searched key: ``  policy.tau  float in [0, 2]``, aligned."""
+    if not distributions:
+        return "  (empty: every trial runs the same overrides)"
+    width = max(len(name) for name in distributions)
+    lines = []
+    for name, distribution in distributions.items():
+        if isinstance(distribution, CategoricalDistribution):
+            text = "one of " + ", ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in distribution.choices)
+        else:
+            kind = "int" if isinstance(distribution, IntDistribution) else "float"
+            low, high = distribution.low, distribution.high  # type: ignore[attr-defined]
+            text = f"{kind} in [{_short(low)}, {_short(high)}]"
+            if distribution.log:  # type: ignore[attr-defined]
+                text += ", log scale"
+            if distribution.step is not None and not (kind == "int" and distribution.step == 1):  # type: ignore[attr-defined]
+                text += f", step {_short(distribution.step)}"  # type: ignore[attr-defined]
+        lines.append(f"  {name:<{width}}  {text}")
+    return "\n".join(lines)
 
 
 def _directions(direction: Any) -> list[str]:
@@ -276,9 +330,3 @@ def _values(returned: Any, expected: int) -> list[float]:
     if len(values) != expected:
         raise ValueError(f"{len(values)} value(s) for {expected} objective(s)")
     return values
-
-
-def _atomic_write(path: Path, write: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    write(tmp)
-    os.replace(tmp, path)

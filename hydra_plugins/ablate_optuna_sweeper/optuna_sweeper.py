@@ -35,4 +35,20 @@ class AblateOptunaSweeper(Sweeper):
         self.impl.setup(hydra_context=hydra_context, task_function=task_function, config=config)
 
     def sweep(self, arguments: list[str]) -> None:
-        self.impl.sweep(arguments)
+        """Run the study; Ctrl-C or SIGTERM ends it with one line and the conventional exit status.
+
+        The trial that was running is recorded as interrupted in the run store and stays RUNNING
+        in the study, so the next run of the same command relaunches it under its number.
+        """
+        import sys
+
+        from ablate.interrupts import as_interrupted, signals_interrupt
+
+        try:
+            with signals_interrupt():
+                self.impl.sweep(arguments)
+        except KeyboardInterrupt as error:
+            stopped = as_interrupted(error)
+            print(f"ablate: study interrupted by {stopped.signal_name}; run the same command again to resume it "
+                  "(the interrupted trial is relaunched under its number)", file=sys.stderr, flush=True)
+            raise SystemExit(stopped.exit_status) from None

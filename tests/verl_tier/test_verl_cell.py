@@ -6,9 +6,8 @@ import pytest
 
 pytest.importorskip("verl.protocol", reason="verl 0.9.1 is not installed here: build it with .ci/verl-env.sh")
 
-from hydra import compose, initialize_config_dir  # noqa: E402
+from hydra import compose, initialize_config_module  # noqa: E402
 
-from ablate.app import CONFIG_DIR  # noqa: E402
 from ablate.backends.verl.backend import VERL_KEYS, build_command, split_metrics  # noqa: E402
 from ablate.cell import cell_from_config  # noqa: E402
 from ablate.runner import run_cell  # noqa: E402
@@ -18,7 +17,7 @@ pytestmark = pytest.mark.verl
 
 
 def verl_cell_config(tmp_path, *overrides):
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+    with initialize_config_module(config_module="ablate.conf", version_base="1.3"):
         return compose("config", overrides=["backend=verl", "tracking.mode=disabled", f"store_dir={tmp_path}",
                                             *overrides])
 

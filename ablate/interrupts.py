@@ -1,0 +1,74 @@
+"""Ctrl-C and SIGTERM as one exception, so a cell can record itself as interrupted.
+
+SIGTERM is what SLURM, ``timeout`` and process managers send; by default it kills Python without
+running any ``finally``, which would leave a cell recorded as running. While
+:func:`signals_interrupt` is active, both SIGINT and SIGTERM raise :class:`Interrupted`, a
+``KeyboardInterrupt`` (so code that already handles Ctrl-C handles SIGTERM the same way, and
+Hydra's launchers let it through instead of recording one failed job and moving on). A second
+signal while the first is being handled is ignored, so the cleanup is not cut short.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+HANDLED = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A run stopped by a signal; ``exit_status`` is the shell's convention, 128 + the signal."""
+
+    def __init__(self, signum: int = signal.SIGINT) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum
+
+
+def as_interrupted(error: KeyboardInterrupt) -> Interrupted:
+    """Python's own Ctrl-C (raised before a handler was installed) as an :class:`Interrupted`."""
+    return error if isinstance(error, Interrupted) else Interrupted(signal.SIGINT)
+
+
+_state = {"depth": 0, "stopping": False}
+
+
+def _raise(signum: int, frame: FrameType | None) -> None:
+    if _state["stopping"]:  # the first signal wins; the cleanup it started must not be cut short
+        return
+    _state["stopping"] = True
+    raise Interrupted(signum)
+
+
+@contextmanager
+def signals_interrupt() -> Iterator[None]:
+    """Within the block, SIGINT and SIGTERM raise :class:`Interrupted`; the old handlers come back after.
+
+    Only the main thread can install handlers: elsewhere (a thread pool of a launcher) this does
+    nothing, and the process's own handling applies.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.getsignal(signum) for signum in HANDLED}
+    for signum in HANDLED:
+        signal.signal(signum, _raise)
+    _state["depth"] += 1
+    try:
+        yield
+    finally:
+        _state["depth"] -= 1
+        if _state["depth"] == 0:  # blocks nest (a sweep, then each of its cells): the outermost resets
+            _state["stopping"] = False
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)

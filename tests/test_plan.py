@@ -1,0 +1,202 @@
+"""Planning, resume and the tally of a grid, in process: no launcher, no subprocess multirun.
+
+The composer is Hydra's compose API on the package's configs (``conftest.compose_config``); the
+run store is real, filled by ``run_cell`` on the noop backend or written directly where a test
+needs a state that only a crash produces.
+"""
+
+import itertools
+import json
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+
+import pytest
+from conftest import compose_config
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+from hydra._internal.utils import create_config_search_path
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.types import RunMode
+from omegaconf import OmegaConf, open_dict
+
+from ablate.cell import ConfigError
+from ablate.runner import run_cell
+from ablate.store import CellState, read_json
+from ablate.sweep import (
+    current_counts,
+    describe_plan,
+    plan_grid,
+    progress_line,
+    tally,
+    wait_for_others,
+)
+from hydra_plugins.ablate_grid_sweeper.grid_sweeper import JobComposer
+
+NOOP = ["backend=noop", "backend.steps=2", "tracking.mode=disabled"]
+
+
+def composer(store):
+    return lambda overrides: compose_config(*NOOP, *overrides, store=store, tiny=False)
+
+
+def grid(**axes):
+    """Hydra's grid order: the product of the axes, as ``key=value`` overrides."""
+    keys = list(axes)
+    return [[f"{k}={v}" for k, v in zip(keys, values)] for values in itertools.product(*axes.values())]
+
+
+def by_name(planned):
+    return {p.cell.name: p for p in planned}
+
+
+def test_none_and_full_collapse_to_one_cell_per_seed_and_every_cell_is_new(tmp_path):
+    planned = plan_grid(grid(policy=["none", "full", "random"], budget=[0.1, 0.5], seed=[0, 1]), composer(tmp_path))
+    assert sorted(by_name(planned)) == sorted(
+        ["none-s0", "none-s1", "full-s0", "full-s1"] + [f"random-b{b}-s{s}" for b in (0.1, 0.5) for s in (0, 1)])
+    assert by_name(planned)["none-s0"].overrides[-1] == "budget=null"
+    assert all(p.prior.state is CellState.NEW and p.to_launch for p in planned)
+    assert describe_plan("g", planned) == (
+        "sweep g: 8 cells: 0 complete (skipped), 0 failed (rerun), 0 unfinished (rerun), 8 new")
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())  # planning writes nothing
+
+
+def test_a_bad_value_in_one_job_fails_the_plan_and_names_the_job(tmp_path):
+    jobs = grid(policy=["random"], budget=[0.1], seed=[0]) + [["policy=fisher", "budget=0.1", "policy.fisher.decay=1.5"]]
+    with pytest.raises(ConfigError, match=r"policy.fisher.decay=1.5: .* \(in the sweep job policy=fisher budget=0.1 "):
+        plan_grid(jobs, composer(tmp_path))
+
+
+def hold_with_a_live_process(cell_dir):
+    """A child process that claims ``cell_dir`` and sleeps until killed."""
+    code = textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        from ablate.store import claim
+        claim(Path({str(cell_dir)!r}))
+        print("held", flush=True)
+        time.sleep(600)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "held"
+    return child
+
+
+def set_status(cell_dir, status):
+    data = read_json(cell_dir / "status.json")
+    (cell_dir / "status.json").write_text(json.dumps({**data, "status": status}))
+
+
+def test_the_plan_reads_every_state_of_the_store(tmp_path):
+    jobs = grid(policy=["random"], budget=[0.1, 0.2, 0.3, 0.4, 0.5, 0.6], seed=[0])
+    compose = composer(tmp_path)
+    first = by_name(plan_grid(jobs, compose))
+    for name in first:
+        run_cell(compose(first[name].overrides))
+    set_status(first["random-b0.2-s0"].directory, "failed")
+    set_status(first["random-b0.3-s0"].directory, "interrupted")
+    set_status(first["random-b0.4-s0"].directory, "running")  # its worker died: no claim
+    (first["random-b0.5-s0"].directory / "cell.json").write_text("{not json")
+    set_status(first["random-b0.6-s0"].directory, "running")
+    holder = hold_with_a_live_process(first["random-b0.6-s0"].directory)
+    try:
+        planned = by_name(plan_grid(jobs, compose))
+    finally:
+        holder.kill()
+        holder.wait()
+    states = {name: p.prior.state for name, p in planned.items()}
+    assert states == {"random-b0.1-s0": CellState.COMPLETE, "random-b0.2-s0": CellState.FAILED,
+                      "random-b0.3-s0": CellState.INTERRUPTED, "random-b0.4-s0": CellState.UNFINISHED,
+                      "random-b0.5-s0": CellState.CORRUPT, "random-b0.6-s0": CellState.RUNNING}
+    assert {n for n, p in planned.items() if p.to_launch} == {f"random-b{b}-s0" for b in (0.2, 0.3, 0.4, 0.5)}
+    assert planned["random-b0.6-s0"].waited_for and not planned["random-b0.6-s0"].to_launch
+    assert describe_plan("g", list(planned.values())) == (
+        "sweep g: 6 cells: 1 complete (skipped), 1 failed (rerun), 1 interrupted (rerun), 1 unfinished (rerun), "
+        "0 new, 1 damaged (rerun), 1 running elsewhere (waited for)")
+
+
+def test_the_tally_counts_only_what_the_store_holds(tmp_path):
+    """Issue 14, defect 1: a cell the launcher did not run is never counted as done."""
+    compose = composer(tmp_path)
+    jobs = grid(policy=["random"], budget=[0.1, 0.2, 0.3], seed=[0, 1])
+    done_before = by_name(plan_grid(jobs[:1], compose))["random-b0.1-s0"]
+    run_cell(compose(done_before.overrides))
+    planned = by_name(plan_grid(jobs, compose))
+    for name, cell in planned.items():
+        if name in ("random-b0.2-s0", "random-b0.2-s1"):
+            run_cell(compose(cell.overrides))
+    failing = compose([*planned["random-b0.3-s1"].overrides, "backend.fail_seeds=[1]", "backend.fail_at_step=1"])
+    with pytest.raises(RuntimeError):
+        run_cell(failing)  # another config: its own directory, not counted for this grid
+    counts = current_counts(list(planned.values()))
+    assert counts == Counter({CellState.NEW: 3, CellState.COMPLETE: 2})
+    result = tally(list(planned.values()))
+    assert result.counts == Counter({CellState.COMPLETE: 2, CellState.NEW: 3}) and result.skipped == 1
+    assert result.line("g", 5.0, tmp_path).startswith("sweep g: 2 complete, 0 failed, 3 not run, 1 skipped in 0:05")
+    assert not result.ok and all(p.startswith("not run: random-b") for p in result.problems)
+
+
+def test_a_failed_rerun_is_failed_and_an_old_failure_is_only_left(tmp_path):
+    compose = composer(tmp_path)
+    jobs = [["policy=random", "budget=0.1", "seed=1", "backend.fail_seeds=[1]", "backend.fail_at_step=1"]]
+    with pytest.raises(RuntimeError):
+        run_cell(compose(jobs[0]))
+    (planned,) = plan_grid(jobs, compose)
+    assert planned.prior.state is CellState.FAILED and current_counts([planned]) == Counter({CellState.NEW: 1})
+    with pytest.raises(RuntimeError):
+        run_cell(compose(jobs[0]))
+    assert current_counts([planned]) == Counter({CellState.FAILED: 1})
+    result = tally([planned])
+    assert result.counts == Counter({CellState.FAILED: 1})
+    assert "PlannedFailure: noop backend: seed 1 is in fail_seeds=[1]" in result.problems[0]
+
+
+def test_a_cell_running_elsewhere_is_waited_for_and_counted_by_its_result(tmp_path):
+    """Issue 14, defect 3: a cell held by a live claim is neither failed nor skipped."""
+    compose = composer(tmp_path)
+    job = ["policy=random", "budget=0.1", "seed=0", "backend.steps=20", "backend.step_seconds=0.1"]
+    store = tmp_path
+    other = subprocess.Popen([sys.executable, "-m", "ablate", *NOOP, *job[:3], *job[3:], f"store_dir={store}"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    try:
+        cell_dir = None
+        while cell_dir is None or not (cell_dir / "records.jsonl").exists():
+            cell_dir = next(iter((store / "adhoc").glob("random-*")), None) if (store / "adhoc").exists() else None
+        (planned,) = plan_grid([job], compose)
+        assert planned.prior.state is CellState.RUNNING
+        assert current_counts([planned]) == Counter({CellState.RUNNING: 1})
+        wait_for_others([planned], interval=0.1)
+    finally:
+        other.wait(timeout=300)
+    result = tally([planned])
+    assert result.ok and result.counts == Counter({CellState.COMPLETE: 1})
+    assert read_json(planned.directory / "status.json")["attempt"] == 1  # it ran once, elsewhere
+
+
+def test_progress_lines_give_elapsed_time_rate_and_eta():
+    counts = Counter({CellState.COMPLETE: 6, CellState.FAILED: 1, CellState.RUNNING: 2, CellState.NEW: 12})
+    assert progress_line("s", counts, 70.0) == (
+        "sweep s: 6 done, 2 running, 1 failed, 12 left [1:10 elapsed, 10.0 s/cell, ETA 2:20]")
+    assert progress_line("s", Counter({CellState.NEW: 3, CellState.INTERRUPTED: 1}), 5.0) == (
+        "sweep s: 0 done, 0 running, 0 failed, 1 interrupted, 3 left [0:05 elapsed, 5.0 s/cell, ETA 0:15]")
+
+
+# --- the fast composer against Hydra's own composition ---------------------------------------
+
+
+@pytest.mark.parametrize("sweep", ["budget_selection", "fisher_estimator"])
+def test_the_job_composer_gives_what_hydra_composes(sweep):
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path("pkg://ablate.conf"))
+    master = loader.load_configuration("config", overrides=[f"sweeps={sweep}"], run_mode=RunMode.MULTIRUN)
+    params = {str(k): str(v) for k, v in master.hydra.sweeper.params.items()}
+    parser = OverridesParser.create(config_loader=loader)
+    axes = {k: [str(v) for v in parser.parse_override(f"{k}={v}").sweep_string_iterator()] for k, v in params.items()}
+    jobs = [[f"sweeps={sweep}", *job, "store_dir=/store"] for job in grid(**axes)]
+    jobs += [[f"sweeps={sweep}", "policy=none", "budget=null", "seed=0", "+extra=1"],
+             [f"sweeps={sweep}", "policy=fisher", "budget=0.1", "~device", "tracking.tags=[a,b]"]]
+    fast = JobComposer(master, loader)
+    for job in jobs[:: max(1, len(jobs) // 10)] + jobs[-2:]:
+        expected = loader.load_sweep_config(master, job)
+        with open_dict(expected):
+            del expected["hydra"]
+        assert OmegaConf.to_container(fast(job)) == OmegaConf.to_container(expected), job
