@@ -124,7 +124,7 @@ def test_validator_names_bad_keys_and_values():
         validate_record({"train/reward": "high"})
     assert check_record({"routing/mismatch_recall": float("nan")}) == []  # nullable
     assert check_record({"train/reward": 1.0}, require=("drift",))[0].startswith("section drift/ is missing")
-    assert validate_record({"bogus": 1}, strict=False) == ["unknown diagnostics key 'bogus' (schema 1.0)"]
+    assert validate_record({"bogus": 1}, strict=False) == ["unknown diagnostics key 'bogus' (schema 1.1)"]
 
 
 def test_json_schema_file_is_in_sync():

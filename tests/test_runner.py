@@ -60,7 +60,7 @@ def test_offline_wandb_run_reads_back(tmp_path):
     assert run.complete and run.exit_code == 0
     assert (run.group, run.job_type, run.name, run.tags) == ("smoke", "random", cell.name.rsplit("-", 1)[0], ["ci"])
     assert (run.config["policy"], run.config["budget"], run.config["seed"]) == ("random", 0.5, 1)
-    assert run.config["backend.name"] == "synthetic" and run.config["schema_version"] == "1.0"
+    assert run.config["backend.name"] == "synthetic" and run.config["schema_version"] == "1.1"
     assert [row["step"] for row in run.history] == list(range(6))
     assert set(run.history[0]) - {"step"} == set(SCHEMA)
     records = pd.read_parquet(cell / "records.parquet")
