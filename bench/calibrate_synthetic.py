@@ -3,7 +3,8 @@
 Runs the regime's cells (``none`` and ``full`` by default) for a few seeds, one process per cell,
 and prints per policy the means over steps and seeds of the figures real systems report (route
 and token mismatch, train-inference ``kl_k3``, extreme-token fraction, clip fraction), the reward
-curve (mean reward in five equal windows of steps), the final reward over seeds, how many seeds
+curve (mean reward in five equal windows of steps), the final expert drift, the final reward
+over seeds (mean, min, max), the reward AUC, how many seeds
 collapsed (``ablate.analysis.outcomes``: relative to chance-level reward) and the CPU seconds
 per cell. Then the paired differences of final reward and reward AUC between the first two
 policies, with exact sign-flip p-values. The README's calibration tables come from here.
@@ -55,6 +56,7 @@ def summarize(runs: list[tuple[pd.DataFrame, float]]) -> dict[str, object]:
     row["reward curve"] = " ".join(f"{x:.2f}" for x in curves.mean(0))
     final = np.array([o["final_reward"] for o in outcomes])
     row["final"] = f"{final.mean():.3f} [{final.min():.2f}, {final.max():.2f}]"
+    row["drift"] = float(np.mean([o["expert_drift_final"] for o in outcomes]))
     auc = np.array([o["reward_auc"] for o in outcomes])
     row["auc"] = float(auc.mean())
     row["collapsed"] = f"{int(sum(o['collapsed'] for o in outcomes))}/{len(outcomes)}"

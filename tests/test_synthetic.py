@@ -1,6 +1,7 @@
 """The synthetic backend: its rollout engine, verl's PPO step, its mechanisms and its regimes."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 from conftest import compose_config
 from omegaconf import OmegaConf
 
+from ablate.app import CONFIG_DIR
 from ablate.backends.synthetic import (
     Batch,
     FisherProbe,
@@ -299,3 +301,19 @@ def test_rollout_correction_is_refused_in_bypass_mode():
     cfg = OmegaConf.to_object(compose_config("backend.bypass_mode=true", "backend.rollout_is=token").backend)
     with pytest.raises(ValueError, match="backend.rollout_is=.*expected null with bypass_mode=true"):
         cfg.check()
+
+
+REGIMES = sorted(path.stem for path in (Path(CONFIG_DIR) / "backend").glob("synthetic*.yaml"))
+
+
+def test_each_named_regime_has_its_own_name():
+    names = [OmegaConf.to_object(compose_config(f"backend={regime}").backend).regime for regime in REGIMES]
+    assert len(REGIMES) >= 5 and len(set(names)) == len(names)
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+def test_each_named_regime_runs(regime):
+    # The regime's own settings, shrunk by TINY; a shift or a lag must still fit in 6 steps.
+    shrink = ["backend.task_shift_step=3"] if "shift" in regime else []
+    records = run_records(f"backend={regime}", "policy=mismatch", "budget=0.5", *shrink)
+    assert len(records) == 6

@@ -401,9 +401,9 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
     engine = RolloutEngine(model, cfg, streams["router_noise"])
     # The engine samples with the weights of `rollout_lag` steps ago: the oldest state kept here.
     history = deque([snapshot(model)], maxlen=cfg.rollout_lag + 1)
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, foreach=True)
-    initial_experts = [p.detach().clone() for p in model.expert_parameters()]
-    initial_router = [p.detach().clone() for p in model.router_parameters()]
+    parameters, experts, routers = list(model.parameters()), model.expert_parameters(), model.router_parameters()
+    optimizer = torch.optim.Adam(parameters, lr=cfg.lr, foreach=True)
+    initial_experts, initial_routers = [p.detach().clone() for p in experts], [p.detach().clone() for p in routers]
 
     batch_size = cfg.prompts_per_step * cfg.group_size
     first_valid = prompt_len if choice_value(cfg.replay_tokens) == "response" else 0
@@ -461,7 +461,7 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
             )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(parameters, cfg.max_grad_norm)
             optimizer.step()
             fisher.accumulate(*probe.sq_grads(valid[tokens], scale=float((rows.stop - rows.start) * response_len)))
             for key, value in zip(totals, (loss.detach(), grad_norm, clip_frac, clip_frac_lower)):
@@ -483,8 +483,8 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
         record.update(totals)
         record.update(correction)
         record.update({
-            "drift/experts": relative_drift(model.expert_parameters(), initial_experts),
-            "drift/router": relative_drift(model.router_parameters(), initial_router),
+            "drift/experts": relative_drift(experts, initial_experts),
+            "drift/router": relative_drift(routers, initial_routers),
             "train/reward": float(rewards.mean()),
             "train/reward_std": float(rewards.std(correction=0)),
             "train/reward_chance": chance_reward(cfg),
