@@ -263,14 +263,14 @@ def test_fisher_probe_gives_per_token_squared_gradients(estimator):
         for expert in range(4):
             routed = expert in chosen[token].tolist()
             if estimator == "router_logits":
-                want = float(single.grads[("logits", 0)][0, expert] ** 2)
+                want = float(single.logits.grads[0][0, expert] ** 2)
             elif not routed:
                 assert weights[token, 0, expert] == 0
                 continue
             elif estimator == "expert_outputs":
                 want = float(single.sq_grads(torch.ones(1, dtype=torch.bool), 1.0)[0][0, 0, expert])
-                row = (single.kept[0]["expert"] == expert).nonzero()[0, 0]
-                assert want == pytest.approx(float(single.grads[("out", 0)][row].square().sum()))
+                row = (single.routed[0]["expert"] == expert).nonzero()[0, 0]
+                assert want == pytest.approx(float(single.outputs.grads[0][row].square().sum()))
             else:
                 want = float(moe.w_in.grad[expert].square().sum() + moe.w_out.grad[expert].square().sum())
             assert float(values[token, 0, expert]) == pytest.approx(want, rel=1e-4)

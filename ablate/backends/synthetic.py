@@ -45,7 +45,7 @@ from ablate.budget import check_budget
 from ablate.cell import Cell, policy_for
 from ablate.config import SyntheticConfig, choice_value
 from ablate.diagnostics import mismatch_metrics, route_diagnostics
-from ablate.fisher import linear_param_sq_grads, router_logit_sq_grads
+from ablate.fisher import GradientCapture, expert_output_sq_grads, linear_param_sq_grads, router_logit_sq_grads
 from ablate.routes import Routes
 
 # --- the task ----------------------------------------------------------------------------
@@ -105,13 +105,8 @@ class FisherProbe:
 
     def __init__(self, estimator: str, num_experts: int) -> None:
         self.estimator, self.num_experts = estimator, num_experts
-        self.grads: dict[tuple[str, int], Tensor] = {}
-        self.kept: dict[int, dict[str, Tensor]] = {}
-
-    def watch(self, name: str, layer: int, tensor: Tensor) -> Tensor:
-        if tensor.requires_grad:
-            tensor.register_hook(lambda grad: self.grads.__setitem__((name, layer), grad.detach()))
-        return tensor
+        self.logits, self.pre, self.outputs = GradientCapture(), GradientCapture(), GradientCapture()
+        self.routed: dict[int, dict[str, Tensor]] = {}  # layer -> (token, expert) pairs and inputs
 
     def sq_grads(self, valid: Tensor, scale: float) -> tuple[Tensor, Tensor]:
         """Per-token squared gradients ``[tokens, layers, experts]`` and which tokens count.
@@ -119,22 +114,20 @@ class FisherProbe:
         ``scale`` undoes the ``1 / tokens`` of a mean loss, so the estimate does not depend on
         the mini-batch size. Only valid tokens count; expert estimators count only routed tokens.
         """
-        layers = sorted(self.kept)
         counted = valid[:, None, None].float()
         if self.estimator == "router_logits":
-            logit_grads = torch.stack([self.grads[("logits", layer)] for layer in layers], dim=1)
-            return router_logit_sq_grads(logit_grads * scale), counted
+            return router_logit_sq_grads(self.logits.stacked() * scale), counted
         tokens, per_layer, routed = valid.shape[0], [], []
-        for layer in layers:
-            kept = self.kept[layer]
-            out_grad = self.grads[("out", layer)] * scale
+        for layer in sorted(self.routed):
+            pairs = self.routed[layer]
+            out_grad = self.outputs.grads[layer] * scale
             if self.estimator == "expert_outputs":
-                value = out_grad.square().sum(-1)
+                value = expert_output_sq_grads(out_grad)
             else:  # expert_params: the ghost norms of the expert's two linear maps
-                pre_grad = self.grads[("pre", layer)] * scale
-                value = linear_param_sq_grads(kept["x"], pre_grad) + linear_param_sq_grads(kept["hidden"], out_grad)
-            index = (kept["token"], kept["expert"])
-            per_layer.append(torch.zeros(tokens, self.num_experts).index_put_(index, value.float()))
+                pre_grad = self.pre.grads[layer] * scale
+                value = linear_param_sq_grads(pairs["x"], pre_grad) + linear_param_sq_grads(pairs["hidden"], out_grad)
+            index = (pairs["token"], pairs["expert"])
+            per_layer.append(torch.zeros(tokens, self.num_experts).index_put_(index, value))
             routed.append(torch.zeros(tokens, self.num_experts).index_put_(index, torch.ones(())))
         return torch.stack(per_layer, dim=1), torch.stack(routed, dim=1) * counted
 
@@ -159,7 +152,7 @@ class MoE(nn.Module):
         native = logits.topk(self.topk, dim=-1).indices
         chosen = native if replay is None else torch.where(replay.mask[:, layer, None], replay.routes[:, layer], native)
         if probe is not None and probe.estimator == "router_logits":
-            logits = probe.watch("logits", layer, logits)
+            logits = probe.logits.watch(layer, logits)
         # R3 gates: the router's softmax renormalised over the chosen expert set.
         gates = logits.gather(-1, chosen).softmax(-1)
         # Sort the (token, expert) pairs by expert: one grouped matmul per weight computes every
@@ -173,11 +166,9 @@ class MoE(nn.Module):
         hidden = F.gelu(pre)
         out = F.grouped_mm(hidden, self.w_out, offs=ends)
         if probe is not None and probe.estimator != "router_logits":
-            probe.kept[layer] = {"token": token, "expert": expert, "x": x_routed.detach(), "hidden": hidden.detach()}
-            probe.watch("pre", layer, pre)
-            out = probe.watch("out", layer, out)
-        elif probe is not None:
-            probe.kept[layer] = {}
+            probe.routed[layer] = {"token": token, "expert": expert, "x": x_routed.detach(), "hidden": hidden.detach()}
+            probe.pre.watch(layer, pre)  # hidden was computed from pre: the hook still sees its gradient
+            out = probe.outputs.watch(layer, out)
         weighted = out * gates.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, token, weighted), chosen, native
 
