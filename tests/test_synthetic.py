@@ -204,10 +204,12 @@ def test_ratio_against_old_log_probs_is_one_at_the_first_update(policy):
         assert sum(r["train/clip_frac"] for r in bypass) > 0
 
 
-def test_mismatch_policy_takes_the_ratio_against_its_native_old_log_probs():
-    records = run_records("policy=mismatch", "budget=1.0", "backend.steps=3", "backend.router_noise=0.5",
-                          "backend.ppo_mini_batch_size=4")
-    assert sum(r["train/clip_frac"] + r["train/clip_frac_lower"] for r in records) > 0
+def test_mismatch_policy_replays_in_the_old_pass_unless_told_to_mirror_the_verl_backend():
+    common = ("policy=mismatch", "budget=0.5", "backend.steps=3", "backend.router_noise=0.5", "backend.ppo_mini_batch_size=4")
+    assert all(r["train/clip_frac"] == 0.0 and r["train/clip_frac_lower"] == 0.0 for r in run_records(*common))
+    # Against its native pass, the ratio of every replayed mismatched route starts away from 1.
+    native = run_records(*common, "backend.mismatch_native_old_pass=true")
+    assert sum(r["train/clip_frac"] + r["train/clip_frac_lower"] for r in native) > 0
 
 
 def test_rollout_correction_weights_are_logged_only_when_enabled():

@@ -15,9 +15,10 @@ It reproduces the mechanisms that make routing replay matter, not the numbers of
    its router weights (other kernels: the same tokens are misrouted step after step). With a
    ``rollout_lag`` it samples with weights some steps old, as asynchronous RL does.
 4. **Trainer: verl's PPO step.** In float32. The old-log-prob pass recomputes the log-probs of the
-   sampled tokens with the replay mask (verl's R3 replays in that pass too), except for the
-   ``mismatch`` policy, which needs that pass's native routes to choose its mask (as on the
-   verl backend). Replayed routes use the rollout expert set with gates from the training
+   sampled tokens with the replay mask (verl's R3 replays in that pass too), for every policy:
+   ``mismatch``, which chooses its mask from native routes, gets them from one more pass
+   (``mismatch_native_old_pass=true`` instead takes its ratio against that native pass, as the
+   verl backend does). Replayed routes use the rollout expert set with gates from the training
    router's logits renormalised over that set (R3); other routes are native. The loss is verl's
    vanilla PPO loss (dual clip, token mean) with GRPO advantages, the ratio taken against the
    old log-probs (``bypass_mode=false``, verl's default) or the rollout log-probs (``true``),
@@ -26,7 +27,7 @@ It reproduces the mechanisms that make routing replay matter, not the numbers of
    Hooks keep per-token gradients for the Fisher tracker.
 
 Each step emits one diagnostics record with every key of the schema. The ``mismatch/`` and
-``routing/`` keys compare the rollout with the trainer's replayed forward before the update.
+``routing/`` keys compare the rollout with the trainer's replayed old-log-prob pass.
 """
 
 from __future__ import annotations
@@ -413,9 +414,10 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
         inputs, targets = rollout.sequences[:, :-1], rollout.sequences[:, 1:]
         flat_rollout = rollout.routes.reshape(batch_size * seq_len, cfg.layers, cfg.topk)
 
-        # The old-log-prob pass, in training numerics, replays the mask (verl's R3 does). The
-        # `mismatch` policy chooses its mask from that pass's native routes, so for it the pass
-        # routes natively and a second pass measures the mismatch left after replay.
+        # The old-log-prob pass, in training numerics, replays the mask (verl's R3 does), so
+        # every policy takes its ratio against the same kind of reference. `mismatch` chooses
+        # its mask from native routes: it pays one native pass first, or (as the verl backend
+        # does) takes its ratio against that native pass.
         with torch.no_grad():
             native_pass = model(inputs) if needs_native else None
             routes = Routes(rollout=flat_rollout, valid=valid, num_experts=cfg.experts,
@@ -424,7 +426,9 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
             mask = policy.select(routes, budget, generator=streams["selection"])
             replayed_logits, _, native_in_replay = model(inputs, replay=Replay(flat_rollout, mask))
             logp_replayed = token_log_probs(replayed_logits, targets)[:, response]
-            logp_old = logp_replayed if native_pass is None else token_log_probs(native_pass[0], targets)[:, response]
+            logp_old = logp_replayed
+            if native_pass is not None and cfg.mismatch_native_old_pass:
+                logp_old = token_log_probs(native_pass[0], targets)[:, response]
             response_log_probs = replayed_logits[:, response].log_softmax(-1)
             entropy = -(response_log_probs.exp() * response_log_probs).sum(-1).mean()
 
