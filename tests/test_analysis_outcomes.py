@@ -65,6 +65,31 @@ def test_collapse_with_negative_rewards_is_relative_to_the_gain():
     assert cell_outcomes(_records(fell), **settings)["collapsed"] == 1.0
 
 
+def test_collapse_is_relative_to_chance_when_the_records_carry_it():
+    settings = dict(collapse_fraction=0.5, collapse_patience=3, smoothing_window=1)
+    # Chance 0.2, best 0.3: the threshold is 0.2 + 0.5 * 0.1 = 0.25. Without a chance level it
+    # is half the best, 0.15, and falling back to chance would not count.
+    back_to_chance = np.array([0.2, 0.25, 0.3, 0.2, 0.2, 0.2, 0.2])
+    held = np.array([0.2, 0.25, 0.3, 0.27, 0.27, 0.27, 0.27])
+    assert cell_outcomes(_records(back_to_chance), **settings)["collapsed"] == 0.0
+    chance = {"train/reward_chance": np.full(7, 0.2)}
+    assert cell_outcomes(_records(back_to_chance, **chance), **settings)["collapsed"] == 1.0
+    assert cell_outcomes(_records(held, **chance), **settings)["collapsed"] == 0.0
+    assert cell_outcomes(_records(back_to_chance), chance_reward=0.2, **settings)["collapsed"] == 1.0
+    never_beat_chance = {"train/reward_chance": np.full(7, 0.5)}
+    assert cell_outcomes(_records(back_to_chance, **never_beat_chance), **settings)["collapsed"] == 0.0
+
+
+def test_the_drop_a_task_shift_causes_is_not_a_collapse():
+    settings = dict(collapse_fraction=0.5, collapse_patience=3, smoothing_window=1)
+    before, relearned, fell = [0.1, 0.5, 0.8, 0.8], [0.0, 0.0, 0.0, 0.3, 0.6, 0.6], [0.0, 0.3, 0.6, 0.1, 0.1, 0.1]
+    shifted = {"train/task_shifted": np.r_[np.zeros(4), np.ones(6)], "train/reward_chance": np.full(10, 0.1)}
+    assert cell_outcomes(_records(np.r_[before, relearned], **shifted), **settings)["collapsed"] == 0.0
+    assert cell_outcomes(_records(np.r_[before, fell], **shifted), **settings)["collapsed"] == 1.0
+    unshifted = {**shifted, "train/task_shifted": np.zeros(10)}
+    assert cell_outcomes(_records(np.r_[before, relearned], **unshifted), **settings)["collapsed"] == 1.0
+
+
 def test_smoothing_ignores_a_single_bad_step():
     reward = np.r_[np.ones(10), [0.0], np.ones(10)]
     assert cell_outcomes(_records(reward), collapse_patience=1, smoothing_window=5)["collapsed"] == 0.0

@@ -40,15 +40,23 @@ Outcomes (the names are a public contract):
     that replayed nothing (``budget_realized = 0``, so ``none``) has effective budget 0.
 ``collapsed``
     1.0 if the run collapsed, else 0.0 (NaN without reward data). Rule: smooth the reward with
-    a trailing moving average over ``smoothing_window`` steps; let ``best`` be its maximum
-    (first occurrence) and ``start`` its first value; the collapse threshold is
-    ``best - (1 - collapse_fraction) * scale`` with ``scale = max(best - start, |best|)``.
-    The run collapsed if, after the step of ``best``, the smoothed reward stays below the
-    threshold for at least ``collapse_patience`` consecutive steps. For rewards that are never
-    negative this is exactly "falls below ``collapse_fraction * best``"; for rewards that can be
-    negative it means "lost more than ``1 - collapse_fraction`` of the larger of its gain and its
-    magnitude", so a sign change alone never decides it. ``scale == 0`` (a run stuck at zero)
-    never counts as collapsed.
+    a trailing moving average over ``smoothing_window`` steps and let ``best`` be its maximum
+    (first occurrence). The run collapsed if, after the step of ``best``, the smoothed reward
+    stays below a threshold for at least ``collapse_patience`` consecutive steps.
+
+    - With a chance level (``train/reward_chance`` in the records, else the ``chance_reward``
+      setting), the threshold is ``chance + collapse_fraction * (best - chance)``: the run lost
+      more than ``1 - collapse_fraction`` of its gain over chance, so a run that peaks at 0.3
+      and falls back to chance counts whatever its start. A run that never beats chance never
+      counts as collapsed.
+    - Without one, the threshold is ``best - (1 - collapse_fraction) * scale`` with
+      ``scale = max(best - start, |best|)`` and ``start`` the first smoothed value: for rewards
+      that are never negative, "falls below ``collapse_fraction * best``"; for rewards that can
+      be negative, "lost more than ``1 - collapse_fraction`` of the larger of its gain and its
+      magnitude". ``scale == 0`` (a run stuck at zero) never counts as collapsed.
+
+    When the records carry ``train/task_shifted`` and the task changed during the run, only the
+    steps after the change count: the drop the change itself causes is not a collapse.
 
 Only numpy and pandas are imported here: the cell runner calls :func:`cell_outcomes` to write
 each cell's ``summary.json``.
@@ -69,6 +77,8 @@ EXPERT_DRIFT_KEY = "drift/experts"
 RESIDUAL_KEY = "routing/residual_mismatch_rate"
 EFFECTIVE_BUDGET_KEY = "replay/effective_budget"
 BUDGET_REALIZED_KEY = "replay/budget_realized"
+CHANCE_KEY = "train/reward_chance"
+SHIFT_KEY = "train/task_shifted"
 
 OUTCOME_NAMES: tuple[str, ...] = (
     "final_reward",
@@ -108,11 +118,13 @@ def cell_outcomes(
     collapse_fraction: float = 0.5,
     collapse_patience: int = 10,
     smoothing_window: int = 5,
+    chance_reward: float | None = None,
 ) -> dict[str, float]:
     """Outcomes of one cell from its per-step records (see the module docstring).
 
     ``final_fraction`` is the share of the last steps averaged into ``final_reward``;
-    ``collapse_fraction``, ``collapse_patience`` and ``smoothing_window`` set the collapse rule.
+    ``collapse_fraction``, ``collapse_patience``, ``smoothing_window`` and ``chance_reward`` (the
+    chance level when the records do not carry ``train/reward_chance``) set the collapse rule.
     Returns a dict with exactly the keys of :data:`OUTCOME_NAMES`, values as Python floats.
     """
     if not 0.0 < final_fraction <= 1.0:
@@ -135,12 +147,17 @@ def cell_outcomes(
     reward_steps, reward_values = steps[finite], reward[finite]
 
     final_reward, late_gain = _final_and_late_gain(reward_values, final_fraction)
+    chance = _nanmean(_column(records, CHANCE_KEY)[finite])
+    if math.isnan(chance) and chance_reward is not None:
+        chance = float(chance_reward)
+    shifted = _column(records, SHIFT_KEY)[finite] == 1.0
+    current_task = reward_values[shifted] if shifted.any() and not shifted.all() else reward_values
     kl_k3 = _column(records, KL_K3_KEY)
     return {
         "final_reward": final_reward,
         "reward_auc": _time_average(reward_steps, reward_values),
         "reward_late_gain": late_gain,
-        "collapsed": _collapsed(reward_values, collapse_fraction, collapse_patience, smoothing_window),
+        "collapsed": _collapsed(current_task, collapse_fraction, collapse_patience, smoothing_window, chance),
         "kl_k3_mean": _nanmean(kl_k3),
         "kl_k3_worst": _nanmax(kl_k3),
         "extreme_token_frac_mean": _nanmean(_column(records, EXTREME_KEY)),
@@ -201,16 +218,20 @@ def _time_average(steps: np.ndarray, values: np.ndarray) -> float:
     return area / span
 
 
-def _collapsed(reward: np.ndarray, fraction: float, patience: int, window: int) -> float:
+def _collapsed(reward: np.ndarray, fraction: float, patience: int, window: int, chance: float) -> float:
     if reward.size == 0:
         return math.nan
     smoothed = pd.Series(reward).rolling(window, min_periods=1).mean().to_numpy()
     best_index = int(np.argmax(smoothed))
-    best, start = smoothed[best_index], smoothed[0]
-    scale = max(best - start, abs(best))
+    best = smoothed[best_index]
+    if math.isnan(chance):
+        scale = max(best - smoothed[0], abs(best))
+        threshold = best - (1.0 - fraction) * scale
+    else:
+        scale = best - chance
+        threshold = chance + fraction * scale
     if scale <= 0:
         return 0.0
-    threshold = best - (1.0 - fraction) * scale
     run = 0
     for below in smoothed[best_index + 1 :] < threshold:
         run = run + 1 if below else 0

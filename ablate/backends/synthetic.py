@@ -1,31 +1,40 @@
-"""Synthetic MoE RL backend: a tiny MoE policy learns a digit task with GRPO on a CPU.
+"""Synthetic MoE RL backend: a tiny MoE policy learns a digit task with verl's PPO step on a CPU.
 
-It reproduces the mechanism that makes routing replay matter, not the numbers of a real system:
+It reproduces the mechanisms that make routing replay matter, not the numbers of a real system:
 
-1. **Policy model.** A small causal transformer whose feed-forward blocks are top-k MoE layers
-   with a softmax router (token and position embeddings, attention, MoE, output head).
-2. **Task.** A prompt is a task token and a few random digits; the response must count on from
+1. **Task.** A prompt is a task token and a few random digits; the response must count on from
    the last digit in steps that the task token sets (task t: steps of t + 1, modulo the base).
-   The reward, checked exactly, is the fraction of response digits that follow the rule, so RL
-   makes progress from a random start, and experts can specialise by task.
-3. **Rollout engine.** Samples with the *same weights* held in bfloat16 (as an inference engine
-   does), optionally with noise on the router logits (other kernels, other reduction orders).
-   It records the routes of every position and the log-prob of every sampled token. Route
-   mismatch then comes from near-ties in the router, as in real systems.
-4. **Trainer.** In float32: an old-log-prob pass routes natively (giving the native routes the
-   ``mismatch`` policy needs), the policy picks the replay mask, and the training forward uses
-   the rollout expert set on masked routes with gate weights recomputed from the training router
-   over that set (R3), native routes elsewhere. The loss is GRPO's clipped surrogate with
-   group-normalised advantages and the importance ratio against the rollout log-probs.
+   The reward is the fraction of response digits that follow the rule. A *task shift* at a given
+   step changes every rule (task t: steps of t + 1 + tasks), so the experts must re-specialise.
+2. **Policy model.** A small causal transformer whose feed-forward blocks are top-k MoE layers
+   with a softmax router. Experts run sparsely: only the (token, expert) pairs a route picked.
+3. **Rollout engine.** A copy of the weights in other numerics (bfloat16), with a KV cache: every
+   position is computed once, so the routes it records are exactly the routes that produced
+   each sampled token. Its router differs from the trainer's by i.i.d. noise on the logits
+   (drawn once per sequence, position, layer and expert) and, optionally, by a fixed change of
+   its router weights (other kernels: the same tokens are misrouted step after step). With a
+   ``rollout_lag`` it samples with weights some steps old, as asynchronous RL does.
+4. **Trainer: verl's PPO step.** In float32. The old-log-prob pass recomputes the log-probs of the
+   sampled tokens with the replay mask (verl's R3 replays in that pass too), for every policy:
+   ``mismatch``, which chooses its mask from native routes, gets them from one more pass
+   (``mismatch_native_old_pass=true`` instead takes its ratio against that native pass, as the
+   verl backend does). Replayed routes use the rollout expert set with gates from the training
+   router's logits renormalised over that set (R3); other routes are native. The loss is verl's
+   vanilla PPO loss (dual clip, token mean) with GRPO advantages, the ratio taken against the
+   old log-probs (``bypass_mode=false``, verl's default) or the rollout log-probs (``true``),
+   over ``ppo_epochs`` passes of ``ppo_mini_batch_size``-prompt mini-batches, each one
+   optimizer step, with verl's optional truncated importance weights (``rollout_is``).
    Hooks keep per-token gradients for the Fisher tracker.
 
-Each step emits one diagnostics record with every key of the schema.
+Each step emits one diagnostics record with every key of the schema. The ``mismatch/`` and
+``routing/`` keys compare the rollout with the trainer's replayed old-log-prob pass.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,27 +44,12 @@ from torch import Tensor, nn
 
 from ablate.budget import check_budget
 from ablate.cell import Cell, policy_for
-from ablate.config import SyntheticConfig
+from ablate.config import SyntheticConfig, choice_value
 from ablate.diagnostics import mismatch_metrics, route_diagnostics
-from ablate.fisher import (
-    GradientCapture,
-    expert_output_sq_grads,
-    linear_param_sq_grads,
-    router_logit_sq_grads,
-)
+from ablate.fisher import GradientCapture, expert_output_sq_grads, linear_param_sq_grads, router_logit_sq_grads
 from ablate.routes import Routes
 
 # --- the task ----------------------------------------------------------------------------
-
-
-def rule_holds(task: Tensor, previous: Tensor, response: Tensor, base: int) -> Tensor:
-    """``[n, R]`` bool: each response digit is the previous digit plus the task's step, mod base.
-
-    Task ``t`` counts in steps of ``t + 1`` from the last prompt digit. Checking each transition
-    against the digit actually emitted before it gives partial credit for every correct step.
-    """
-    before = torch.cat([previous[:, None], response[:, :-1]], dim=1)
-    return response == (before + task[:, None] + 1) % base
 
 
 @dataclass
@@ -75,10 +69,25 @@ def sample_prompts(cfg: SyntheticConfig, generator: torch.Generator) -> Batch:
     return Batch(task, digits, prompts)
 
 
-def reward(cfg: SyntheticConfig, batch: Batch, response: Tensor) -> Tensor:
-    """Fraction of response digits that follow the rule; task tokens in the response never do."""
-    digit = response < cfg.vocab_digits
-    return (rule_holds(batch.task, batch.digits[:, -1], response, cfg.vocab_digits) & digit).float().mean(-1)
+def task_shifted(cfg: SyntheticConfig, step: int) -> bool:
+    return cfg.task_shift_step is not None and step >= cfg.task_shift_step
+
+
+def reward(cfg: SyntheticConfig, batch: Batch, response: Tensor, shifted: bool) -> Tensor:
+    """Fraction of response digits that are the digit before them plus the task's step, mod base.
+
+    Checking each transition against the digit actually emitted before it gives partial credit
+    for every correct step. Task tokens in the response never count.
+    """
+    stride = batch.task + 1 + (cfg.tasks if shifted else 0)
+    before = torch.cat([batch.digits[:, -1:], response[:, :-1]], dim=1)
+    correct = response == (before + stride[:, None]) % cfg.vocab_digits
+    return (correct & (response < cfg.vocab_digits)).float().mean(-1)
+
+
+def chance_reward(cfg: SyntheticConfig) -> float:
+    """Expected reward of a uniformly random response: one token in the vocabulary is right."""
+    return 1.0 / (cfg.vocab_digits + cfg.tasks)
 
 
 # --- the policy model --------------------------------------------------------------------
@@ -93,70 +102,76 @@ class Replay:
 
 
 class FisherProbe:
-    """Keeps what each Fisher estimator needs from the training forward, per layer."""
+    """Keeps, per layer, what the configured Fisher estimator needs from the training forward."""
 
-    def __init__(self, estimator: str) -> None:
-        self.estimator = estimator
-        self.logits, self.outputs, self.pre = GradientCapture(), GradientCapture(), GradientCapture()
-        self.inputs: dict[int, Tensor] = {}
-        self.hidden: dict[int, Tensor] = {}
-        self.chosen: dict[int, Tensor] = {}
+    def __init__(self, estimator: str, num_experts: int) -> None:
+        self.estimator, self.num_experts = estimator, num_experts
+        self.logits, self.pre, self.outputs = GradientCapture(), GradientCapture(), GradientCapture()
+        self.routed: dict[int, dict[str, Tensor]] = {}  # layer -> (token, expert) pairs and inputs
 
-    def sq_grads(self, num_experts: int, scale: float, valid: Tensor) -> tuple[Tensor, Tensor]:
+    def sq_grads(self, valid: Tensor, scale: float) -> tuple[Tensor, Tensor]:
         """Per-token squared gradients ``[tokens, layers, experts]`` and which tokens count.
 
         ``scale`` undoes the ``1 / tokens`` of a mean loss, so the estimate does not depend on
-        the batch size. Only valid tokens count; expert estimators count only routed tokens.
+        the mini-batch size. Only valid tokens count; expert estimators count only routed tokens.
         """
-        chosen = torch.stack([self.chosen[layer] for layer in sorted(self.chosen)], dim=1)
         counted = valid[:, None, None].float()
-        routed = torch.zeros(*chosen.shape[:2], num_experts).scatter_(-1, chosen, 1.0) * counted
         if self.estimator == "router_logits":
             return router_logit_sq_grads(self.logits.stacked() * scale), counted
-        if self.estimator == "expert_outputs":
-            return expert_output_sq_grads(self.outputs.stacked() * scale), routed
-        per_layer = []
-        for layer in sorted(self.chosen):
-            x = self.inputs[layer][:, None, :]  # [tokens, 1, d]: every expert reads the same input
-            w_in = linear_param_sq_grads(x, self.pre.grads[layer] * scale)
-            w_out = linear_param_sq_grads(self.hidden[layer], self.outputs.grads[layer] * scale)
-            per_layer.append(w_in + w_out)
-        return torch.stack(per_layer, dim=1), routed
+        tokens, per_layer, routed = valid.shape[0], [], []
+        for layer in sorted(self.routed):
+            pairs = self.routed[layer]
+            out_grad = self.outputs.grads[layer] * scale
+            if self.estimator == "expert_outputs":
+                value = expert_output_sq_grads(out_grad)
+            else:  # expert_params: the ghost norms of the expert's two linear maps
+                pre_grad = self.pre.grads[layer] * scale
+                value = linear_param_sq_grads(pairs["x"], pre_grad) + linear_param_sq_grads(pairs["hidden"], out_grad)
+            index = (pairs["token"], pairs["expert"])
+            per_layer.append(torch.zeros(tokens, self.num_experts).index_put_(index, value))
+            routed.append(torch.zeros(tokens, self.num_experts).index_put_(index, torch.ones(())))
+        return torch.stack(per_layer, dim=1), torch.stack(routed, dim=1) * counted
 
 
 class MoE(nn.Module):
-    """Top-k MoE feed-forward with a softmax router; experts are computed densely (tiny sizes)."""
+    """Top-k MoE feed-forward with a softmax router; each expert computes only its routed tokens."""
 
     def __init__(self, cfg: SyntheticConfig) -> None:
         super().__init__()
         d, h, e = cfg.d_model, cfg.expert_hidden, cfg.experts
         self.topk, self.temperature = cfg.topk, cfg.router_temperature
         self.router = nn.Linear(d, e, bias=False)
-        self.w_in = nn.Parameter(torch.randn(e, h, d) / math.sqrt(d))
-        self.w_out = nn.Parameter(torch.randn(e, d, h) / math.sqrt(h))
+        self.w_in = nn.Parameter(torch.randn(e, d, h) / math.sqrt(d))
+        self.w_out = nn.Parameter(torch.randn(e, h, d) / math.sqrt(h))
 
     def forward(
-        self, x: Tensor, layer: int, replay: Replay | None, noise: float, generator: torch.Generator | None,
-        probe: FisherProbe | None,
+        self, x: Tensor, layer: int, replay: Replay | None, noise: Tensor | None, probe: FisherProbe | None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         logits = self.router(x) / self.temperature
-        if noise > 0:
-            logits = logits + noise * torch.randn(logits.shape, generator=generator).to(logits.dtype)
+        if noise is not None:
+            logits = logits + noise
         native = logits.topk(self.topk, dim=-1).indices
         chosen = native if replay is None else torch.where(replay.mask[:, layer, None], replay.routes[:, layer], native)
-        if probe is not None:
+        if probe is not None and probe.estimator == "router_logits":
             logits = probe.logits.watch(layer, logits)
-        # R3 gates: the (training) router's softmax renormalised over the chosen expert set.
+        # R3 gates: the router's softmax renormalised over the chosen expert set.
         gates = logits.gather(-1, chosen).softmax(-1)
-        pre = torch.einsum("nd,ehd->neh", x, self.w_in)
+        # Sort the (token, expert) pairs by expert: one grouped matmul per weight computes every
+        # expert on exactly its tokens.
+        expert = chosen.reshape(-1)
+        order = expert.argsort(stable=True)
+        token, expert = order // self.topk, expert[order]
+        ends = torch.bincount(expert, minlength=self.w_in.shape[0]).cumsum(0).to(torch.int32)
+        x_routed = x[token]
+        pre = F.grouped_mm(x_routed, self.w_in, offs=ends)
         hidden = F.gelu(pre)
-        out = torch.einsum("neh,edh->ned", hidden, self.w_out)
-        if probe is not None:
-            probe.inputs[layer], probe.hidden[layer], probe.chosen[layer] = x, hidden, chosen
-            probe.pre.watch(layer, pre)
+        out = F.grouped_mm(hidden, self.w_out, offs=ends)
+        if probe is not None and probe.estimator != "router_logits":
+            probe.routed[layer] = {"token": token, "expert": expert, "x": x_routed.detach(), "hidden": hidden.detach()}
+            probe.pre.watch(layer, pre)  # hidden was computed from pre: the hook still sees its gradient
             out = probe.outputs.watch(layer, out)
-        picked = out.gather(1, chosen[..., None].expand(-1, -1, out.shape[-1]))
-        return (gates[..., None] * picked).sum(1), chosen, native
+        weighted = out * gates.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add_(0, token, weighted), chosen, native
 
 
 class Block(nn.Module):
@@ -168,10 +183,17 @@ class Block(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.moe = MoE(cfg)
 
-    def forward(self, x: Tensor, layer: int, **moe_args) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(self, x: Tensor, layer: int, cache: list[tuple[Tensor, Tensor]] | None, **moe_args) -> tuple[Tensor, Tensor, Tensor]:
         batch, seq, d = x.shape
-        q, k, v = self.qkv(self.norm_attn(x)).view(batch, seq, 3, self.heads, d // self.heads).unbind(2)
-        attended = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        q, k, v = self.qkv(self.norm_attn(x)).view(batch, seq, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        if cache is not None:  # decoding: earlier positions come from the cache, never recomputed
+            if len(cache) > layer:
+                k, v = torch.cat([cache[layer][0], k], dim=2), torch.cat([cache[layer][1], v], dim=2)
+                cache[layer] = (k, v)
+            else:
+                cache.append((k, v))
+        # A query block as long as the keys is a prefix (causal); a single new query sees every key.
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] == k.shape[2] and seq > 1)
         x = x + self.proj(attended.transpose(1, 2).reshape(batch, seq, d))
         y, chosen, native = self.moe(self.norm_moe(x).reshape(batch * seq, d), layer, **moe_args)
         return x + y.view(batch, seq, d), chosen, native
@@ -188,14 +210,20 @@ class MoEPolicy(nn.Module):
         self.head = nn.Linear(cfg.d_model, vocab)
 
     def forward(
-        self, tokens: Tensor, replay: Replay | None = None, noise: float = 0.0,
-        generator: torch.Generator | None = None, probe: FisherProbe | None = None,
+        self, tokens: Tensor, replay: Replay | None = None, noise: Tensor | None = None,
+        cache: list[tuple[Tensor, Tensor]] | None = None, probe: FisherProbe | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Logits ``[B, S, V]``, routes used and native routes, both ``[B * S, layers, k]``."""
-        x = self.embed(tokens) + self.position[: tokens.shape[1]]
+        """Logits ``[B, S, V]``, routes used and native routes, both ``[B * S, layers, k]``.
+
+        ``noise`` ``[B, S, layers, experts]`` is added to the router logits; with a ``cache``
+        the tokens continue the cached positions.
+        """
+        start = cache[0][0].shape[2] if cache else 0
+        x = self.embed(tokens) + self.position[start : start + tokens.shape[1]]
         used, native = [], []
         for layer, block in enumerate(self.blocks):
-            x, chosen, own = block(x, layer, replay=replay, noise=noise, generator=generator, probe=probe)
+            layer_noise = None if noise is None else noise[:, :, layer].reshape(-1, noise.shape[-1])
+            x, chosen, own = block(x, layer, cache, replay=replay, noise=layer_noise, probe=probe)
             used.append(chosen)
             native.append(own)
         return self.head(self.norm(x)), torch.stack(used, 1), torch.stack(native, 1)
@@ -207,42 +235,141 @@ class MoEPolicy(nn.Module):
         return [block.moe.router.weight for block in self.blocks]
 
 
+def token_log_probs(logits: Tensor, targets: Tensor) -> Tensor:
+    return logits.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
+
+
 # --- the rollout engine ------------------------------------------------------------------
 
 
+@dataclass
+class Rollout:
+    sequences: Tensor  # [B, P + R]
+    log_probs: Tensor  # [B, R]: of each sampled token, in the engine's numerics
+    routes: Tensor  # [B, P + R - 1, layers, k]: of every position fed to the engine
+    router_noise: Tensor  # [B, P + R - 1, layers, experts]: what the engine added to its router logits
+
+
 class RolloutEngine:
-    """The inference engine: a copy of the weights in other numerics, synced after each update."""
+    """The inference engine: a copy of the weights in other numerics, synced after each update.
 
-    def __init__(self, model: MoEPolicy, dtype: torch.dtype, router_noise: float, generator: torch.Generator) -> None:
-        self.model = copy.deepcopy(model).to(dtype)
-        self.router_noise, self.generator = router_noise, generator
+    Lower precision is emulated the way bfloat16 kernels behave (float32 arithmetic, results
+    stored in bfloat16): the weights, the embeddings, the residual stream after every block, the
+    router logits and the output logits are held in ``rollout_dtype``. CPU bfloat16 kernels for
+    these tiny shapes are several times slower than this emulation.
+    ``router_perturbation`` is the standard deviation of a fixed random change of each router's
+    weights, in logit units for a unit-variance input: the engine's kernels compute a slightly
+    different router, the same way at every step.
+    """
 
-    def sync(self, model: MoEPolicy) -> None:
-        self.model.load_state_dict(model.state_dict())  # casts to the engine's dtype
+    def __init__(self, model: MoEPolicy, cfg: SyntheticConfig, generator: torch.Generator) -> None:
+        self.model = copy.deepcopy(model)
+        self.dtype = getattr(torch, cfg.rollout_dtype)
+        if self.dtype != torch.float32:
+            rounded = [self.model.embed, self.model.head, *self.model.blocks]
+            for module in rounded + [block.moe.router for block in self.model.blocks]:
+                module.register_forward_hook(self._round_output)
+        self.router_noise, self.generator = cfg.router_noise, generator
+        self.perturbation = [
+            cfg.router_perturbation * torch.randn(w.shape, generator=generator) / math.sqrt(w.shape[1])
+            for w in model.router_parameters()
+        ]
+        self.sync(model.state_dict())
+
+    def _round_output(self, module: nn.Module, args: tuple, output: Tensor | tuple) -> Tensor | tuple:
+        if isinstance(output, tuple):  # (hidden states, routes used, native routes)
+            return (output[0].to(self.dtype).float(), *output[1:])
+        return output.to(self.dtype).float()
 
     @torch.no_grad()
-    def generate(self, prompts: Tensor, length: int, sampler: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
-        """Sample ``length`` tokens; return sequences, sampled log-probs ``[B, length]`` and the
-        routes of every fed position ``[B, P + length - 1, layers, k]``.
+    def sync(self, state: dict[str, Tensor]) -> None:
+        self.model.load_state_dict(state)
+        for weight, delta in zip(self.model.router_parameters(), self.perturbation):
+            weight += delta
+        for weight in self.model.parameters():
+            weight.copy_(weight.to(self.dtype))
 
-        Without a KV cache, each decode step recomputes the prefix; the routes recorded for a
-        position are those of the step that first processed it (prefill for the prompt), as an
-        engine with a KV cache would record them.
-        """
-        tokens, logps, routes = prompts, [], []
-        batch = prompts.shape[0]
-        for step in range(length):
-            logits, used, _ = self.model(tokens, noise=self.router_noise, generator=self.generator)
-            used = used.view(batch, tokens.shape[1], *used.shape[1:])
-            routes.append(used if step == 0 else used[:, -1:])
-            log_probs = logits[:, -1].float().log_softmax(-1)
-            token = torch.multinomial(log_probs.exp(), 1, generator=sampler)
-            logps.append(log_probs.gather(-1, token))
-            tokens = torch.cat([tokens, token], dim=1)
-        return tokens, torch.cat(logps, 1), torch.cat(routes, 1)
+    @torch.no_grad()
+    def generate(self, prompts: Tensor, length: int, sampler: torch.Generator) -> Rollout:
+        """Sample ``length`` tokens after ``prompts``: a prefill, then one cached step per token."""
+        batch, prompt_len = prompts.shape
+        fed = prompt_len + length - 1  # the last sampled token is never fed back
+        shape = (batch, fed, len(self.model.blocks), self.model.blocks[0].moe.w_in.shape[0])
+        noise = self.router_noise * torch.randn(shape, generator=self.generator)
+        cache: list[tuple[Tensor, Tensor]] = []
+        sequences, fresh, logps, routes = prompts, prompts, [], []
+        for _ in range(length):
+            start, width = sequences.shape[1] - fresh.shape[1], fresh.shape[1]
+            logits, used, _ = self.model(fresh, noise=noise[:, start : start + width], cache=cache)
+            routes.append(used.view(batch, width, *used.shape[1:]))
+            log_probs = logits[:, -1].log_softmax(-1)
+            fresh = torch.multinomial(log_probs.exp(), 1, generator=sampler)
+            logps.append(log_probs.gather(-1, fresh))
+            sequences = torch.cat([sequences, fresh], dim=1)
+        return Rollout(sequences, torch.cat(logps, 1), torch.cat(routes, 1), noise)
+
+
+# --- verl's PPO step ---------------------------------------------------------------------
+
+
+def rollout_is_weights(
+    log_ratio: Tensor, level: str, threshold: float, batch_normalize: bool,
+) -> tuple[Tensor, dict[str, float]]:
+    """Truncated importance weights ``[B, R]`` of verl's ``compute_rollout_correction_weights``.
+
+    ``log_ratio`` is ``old - rollout`` log-probs of the response tokens (all valid here).
+    ``token``: ``min(exp(l), threshold)`` per token; ``sequence``: ``min(exp(sum l), threshold)``
+    for every token of the sequence; ``exp`` of a log-ratio clamped to [-20, 20]. Returns the
+    weights and verl's ``rollout_is_mean`` (before normalisation) and
+    ``rollout_is_ratio_fraction_high`` (tokens, or sequences, above the threshold).
+    """
+    if level == "token":
+        raw = log_ratio.clamp(-20, 20).exp()
+        above = (raw > threshold).float().mean()
+    else:
+        total = log_ratio.sum(-1, keepdim=True)
+        raw = total.clamp(-20, 20).exp().expand_as(log_ratio)
+        above = (total > math.log(threshold)).float().mean()
+    weights = raw.clamp(max=threshold)
+    metrics = {"train/is_weight_mean": float(weights.mean()), "train/is_truncated_frac": float(above)}
+    if batch_normalize:
+        weights = weights / weights.mean()
+    return weights, metrics
+
+
+def ppo_loss(
+    log_probs: Tensor, reference: Tensor, advantages: Tensor, weights: Tensor | None, clip_ratio: float, clip_ratio_c: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """verl's ``compute_policy_loss_vanilla`` with ``token-mean`` aggregation over ``[n, R]`` tokens.
+
+    Returns the loss, ``pg_clipfrac`` (tokens where the clipped term wins, so the clip removes
+    their gradient) and ``pg_clipfrac_lower`` (negative-advantage tokens capped by the dual clip).
+    """
+    ratio = (log_probs - reference).clamp(-20.0, 20.0).exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_ratio, 1 + clip_ratio)
+    pessimistic = torch.maximum(unclipped, clipped)
+    capped = -advantages * clip_ratio_c
+    losses = torch.where(advantages < 0, torch.minimum(capped, pessimistic), pessimistic)
+    if weights is not None:
+        losses = losses * weights
+    clip_frac = (clipped > unclipped).float().mean()
+    clip_frac_lower = ((pessimistic > capped) & (advantages < 0)).float().mean()
+    return losses.mean(), clip_frac, clip_frac_lower
+
+
+def mini_batches(cfg: SyntheticConfig) -> list[slice]:
+    """Sequence rows of each update, in order: verl splits without shuffling (``shuffle=false``)."""
+    size = cfg.ppo_mini_batch_size * cfg.group_size
+    batch = cfg.prompts_per_step * cfg.group_size
+    return [slice(start, start + size) for start in range(0, batch, size)] * cfg.ppo_epochs
 
 
 # --- the training loop -------------------------------------------------------------------
+
+
+def snapshot(model: nn.Module) -> dict[str, Tensor]:
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
 
 def relative_drift(params: list[Tensor], initial: list[Tensor]) -> float:
@@ -253,81 +380,110 @@ def relative_drift(params: list[Tensor], initial: list[Tensor]) -> float:
 def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]) -> None:
     """Train one cell for ``cfg.steps`` steps, calling ``log_step(step, record)`` after each."""
     cfg: SyntheticConfig = cell.backend  # type: ignore[assignment]
+    cfg.check()
     policy, fisher = policy_for(cell, cfg.layers, cfg.experts)
     budget = check_budget(cell.budget, policy.name)
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cell.seed)  # model initialisation: the same for every policy of a seed
-    prompt_len, response_len = 1 + cfg.digits, cfg.digits
-    seq_len = prompt_len + response_len - 1  # the last sampled token is never fed back
+    prompt_len, response_len = 1 + cfg.digits, cfg.response_length
+    seq_len = prompt_len + response_len - 1
     model = MoEPolicy(cfg, seq_len)
     streams = {name: torch.Generator().manual_seed(cell.seed * 7919 + offset) for offset, name in enumerate(
         ("prompts", "sampling", "selection", "router_noise"))}
-    engine = RolloutEngine(model, getattr(torch, cfg.rollout_dtype), cfg.router_noise, streams["router_noise"])
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    initial_experts = [p.detach().clone() for p in model.expert_parameters()]
-    initial_router = [p.detach().clone() for p in model.router_parameters()]
+    engine = RolloutEngine(model, cfg, streams["router_noise"])
+    # The engine samples with the weights of `rollout_lag` steps ago: the oldest state kept here.
+    history = deque([snapshot(model)], maxlen=cfg.rollout_lag + 1)
+    parameters, experts, routers = list(model.parameters()), model.expert_parameters(), model.router_parameters()
+    optimizer = torch.optim.Adam(parameters, lr=cfg.lr, foreach=True)
+    initial_experts, initial_routers = [p.detach().clone() for p in experts], [p.detach().clone() for p in routers]
 
-    positions = torch.arange(seq_len)
-    valid_position = positions >= (prompt_len if cfg.replay_tokens.value == "response" else 0)
     batch_size = cfg.prompts_per_step * cfg.group_size
-    valid = valid_position.repeat(batch_size)
-    response_slice = slice(prompt_len - 1, seq_len)  # positions whose next token is a response token
+    first_valid = prompt_len if choice_value(cfg.replay_tokens) == "response" else 0
+    valid = (torch.arange(seq_len) >= first_valid).repeat(batch_size)
+    response = slice(prompt_len - 1, seq_len)  # positions whose next token is a response token
+    needs_native = policy.name == "mismatch"
+    estimator = choice_value(cell.fisher.estimator)
 
     for step in range(cfg.steps):
         batch = sample_prompts(cfg, streams["prompts"])
-        sequences, logp_rollout, rollout_routes = engine.generate(batch.prompts, response_len, streams["sampling"])
-        rewards = reward(cfg, batch, sequences[:, prompt_len:])
+        rollout = engine.generate(batch.prompts, response_len, streams["sampling"])
+        shifted = task_shifted(cfg, step)
+        rewards = reward(cfg, batch, rollout.sequences[:, prompt_len:], shifted)
         grouped = rewards.view(cfg.prompts_per_step, cfg.group_size)
-        advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(-1)
-        inputs, targets = sequences[:, :-1], sequences[:, 1:]
-        flat_rollout = rollout_routes.reshape(batch_size * seq_len, cfg.layers, cfg.topk)
+        advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(-1, 1)
+        inputs, targets = rollout.sequences[:, :-1], rollout.sequences[:, 1:]
+        flat_rollout = rollout.routes.reshape(batch_size * seq_len, cfg.layers, cfg.topk)
 
-        # Old-log-prob pass in training numerics, routing natively: the native routes exist
-        # before the mask is chosen, as in verl's old-log-prob pass.
+        # The old-log-prob pass, in training numerics, replays the mask (verl's R3 does), so
+        # every policy takes its ratio against the same kind of reference. `mismatch` chooses
+        # its mask from native routes: it pays one native pass first, or (as the verl backend
+        # does) takes its ratio against that native pass.
         with torch.no_grad():
-            _, _, native_before = model(inputs)
-        routes = Routes(rollout=flat_rollout, valid=valid, num_experts=cfg.experts, native=native_before)
-        estimate_used = fisher.scores() if fisher.has_estimate else None
-        mask = policy.select(routes, budget, generator=streams["selection"])
+            native_pass = model(inputs) if needs_native else None
+            routes = Routes(rollout=flat_rollout, valid=valid, num_experts=cfg.experts,
+                            native=None if native_pass is None else native_pass[2])
+            estimate_used = fisher.scores() if fisher.has_estimate else None
+            mask = policy.select(routes, budget, generator=streams["selection"])
+            replayed_logits, _, native_in_replay = model(inputs, replay=Replay(flat_rollout, mask))
+            logp_replayed = token_log_probs(replayed_logits, targets)[:, response]
+            logp_old = logp_replayed
+            if native_pass is not None and cfg.mismatch_native_old_pass:
+                logp_old = token_log_probs(native_pass[0], targets)[:, response]
+            response_log_probs = replayed_logits[:, response].log_softmax(-1)
+            entropy = -(response_log_probs.exp() * response_log_probs).sum(-1).mean()
 
-        probe = FisherProbe(cell.fisher.estimator.value)
-        logits, _, native_now = model(inputs, replay=Replay(flat_rollout, mask), probe=probe)
-        log_probs = logits.log_softmax(-1)
-        logp_all = log_probs.gather(-1, targets[..., None]).squeeze(-1)
-        logp_train = logp_all[:, response_slice]
-        ratio = torch.exp(logp_train - logp_rollout)
-        adv = advantages[:, None]
-        surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps) * adv)
-        loss = -surrogate.mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
-        optimizer.step()
-        engine.sync(model)
-        fisher.accumulate(*probe.sq_grads(cfg.experts, scale=float(ratio.numel()), valid=valid))
+        correction: dict[str, float] = {"train/is_weight_mean": math.nan, "train/is_truncated_frac": math.nan}
+        weights = None
+        if cfg.bypass_mode:
+            reference = rollout.log_probs  # verl's bypass mode with the ppo_clip loss: no IS weights
+        else:
+            reference = logp_old
+            if cfg.rollout_is is not None:
+                weights, correction = rollout_is_weights(
+                    logp_old - rollout.log_probs, choice_value(cfg.rollout_is), cfg.rollout_is_threshold,
+                    cfg.rollout_is_batch_normalize,
+                )
+
+        updates = mini_batches(cfg)
+        totals = dict.fromkeys(("train/loss", "train/grad_norm", "train/clip_frac", "train/clip_frac_lower"), 0.0)
+        for rows in updates:
+            tokens = slice(rows.start * seq_len, rows.stop * seq_len)
+            probe = FisherProbe(estimator, cfg.experts)
+            logits, _, _ = model(inputs[rows], replay=Replay(flat_rollout[tokens], mask[tokens]), probe=probe)
+            loss, clip_frac, clip_frac_lower = ppo_loss(
+                token_log_probs(logits, targets[rows])[:, response], reference[rows], advantages[rows],
+                None if weights is None else weights[rows], cfg.clip_ratio, cfg.clip_ratio_c,
+            )
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(parameters, cfg.max_grad_norm)
+            optimizer.step()
+            fisher.accumulate(*probe.sq_grads(valid[tokens], scale=float((rows.stop - rows.start) * response_len)))
+            for key, value in zip(totals, (loss.detach(), grad_norm, clip_frac, clip_frac_lower)):
+                totals[key] += float(value) / len(updates)
         fisher.step()
+        history.append(snapshot(model))
+        engine.sync(history[0])
 
         with torch.no_grad():
-            entropy = -(log_probs[:, response_slice].exp() * log_probs[:, response_slice]).sum(-1).mean()
-            # Diagnostics compare the rollout routes with the routes the training router chose
-            # in the replayed forward itself (what verl's replay sees as "native").
-            diagnostics_routes = Routes(rollout=flat_rollout, valid=valid, num_experts=cfg.experts, native=native_now)
+            diagnostics_routes = Routes(rollout=flat_rollout, valid=valid, num_experts=cfg.experts, native=native_in_replay)
             record = route_diagnostics(
                 diagnostics_routes, mask, budget, fisher_scores=estimate_used,
                 fisher_fallback=bool(policy.info.get("fisher_fallback", 0.0)),
             )
             record.update(mismatch_metrics(
-                logp_train.detach(), logp_rollout, torch.ones_like(logp_rollout, dtype=torch.bool),
+                logp_replayed, rollout.log_probs, torch.ones_like(logp_replayed, dtype=torch.bool),
                 extreme_threshold=cfg.extreme_threshold,
             ))
+        record.update(totals)
+        record.update(correction)
         record.update({
-            "drift/experts": relative_drift(model.expert_parameters(), initial_experts),
-            "drift/router": relative_drift(model.router_parameters(), initial_router),
+            "drift/experts": relative_drift(experts, initial_experts),
+            "drift/router": relative_drift(routers, initial_routers),
             "train/reward": float(rewards.mean()),
             "train/reward_std": float(rewards.std(correction=0)),
-            "train/loss": float(loss.detach()),
-            "train/grad_norm": grad_norm,
-            "train/clip_frac": float(((ratio - 1).abs() > cfg.clip_eps).float().mean()),
+            "train/reward_chance": chance_reward(cfg),
+            "train/task_shifted": float(shifted),
             "train/entropy": float(entropy),
         })
         log_step(step, record)

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-#: 1.1 adds replay/effective_budget, replay/fisher_nonfinite and replay/unrecorded_routes.
+#: 1.1 adds replay/effective_budget, replay/fisher_nonfinite, replay/unrecorded_routes and the train/ keys
+#: of the synthetic backend's PPO step (clip_frac_lower, reward_chance, task_shifted, is_weight_mean, is_truncated_frac).
 SCHEMA_VERSION = "1.1"
 JSON_SCHEMA_PATH = Path(__file__).with_name("schema.json")
 
@@ -103,8 +104,17 @@ _KEYS = [
     Key("train/reward_std", "nonnegative", "task reward", "standard deviation of the step's rewards"),
     Key("train/loss", "real", "loss", "policy-gradient loss"),
     Key("train/grad_norm", "nonnegative", "L2 norm", "gradient norm before clipping"),
-    Key("train/clip_frac", "fraction", "fraction of valid tokens", "tokens whose importance ratio was clipped"),
+    Key("train/clip_frac", "fraction", "fraction of valid tokens",
+        "tokens whose gradient the PPO clip removes (the clipped term wins; verl's pg_clipfrac)"),
+    Key("train/clip_frac_lower", "fraction", "fraction of valid tokens",
+        "negative-advantage tokens whose ratio the dual clip caps (verl's pg_clipfrac_lower)"),
     Key("train/entropy", "nonnegative", "nats", "mean policy entropy per valid token"),
+    Key("train/reward_chance", "real", "task reward", "expected reward of a uniformly random response"),
+    Key("train/task_shifted", "flag", "0/1", "1 once the task's rules have changed (a task-shift regime)"),
+    Key("train/is_weight_mean", "nonnegative", "ratio",
+        "mean truncated importance weight old / rollout over valid tokens (verl's rollout_is_mean)", True),
+    Key("train/is_truncated_frac", "fraction", "fraction of valid tokens or sequences",
+        "importance weights above the truncation threshold (verl's rollout_is_ratio_fraction_high)", True),
 ]
 
 SCHEMA: dict[str, Key] = {key.name: key for key in _KEYS}
