@@ -3,7 +3,7 @@
 Two layers of validation, both before a cell writes anything:
 
 - Composition. The dataclasses are registered in Hydra's ConfigStore as ``base_*`` schemas that
-  the YAML files under ``ablate/conf/`` extend (``defaults: [/base_fisher@_here_]``), so a
+  the YAML files under ``conf/`` (packaged as ``ablate.conf``) extend (``defaults: [/base_fisher@_here_]``), so a
   misspelt key or a value of the wrong type fails when Hydra composes the config. Enums turn a
   bad choice (``tracking.mode=ofline``) into an error listing the valid ones. The schemas sit at
   the root of the ConfigStore, outside the ``policy`` and ``backend`` groups, so that ``--help``
@@ -139,7 +139,7 @@ class BackendConfig:
         """Each backend checks its own settings; the base has none beyond its name."""
 
 
-ROLLOUT_DTYPES = ("bfloat16", "float16", "float32")
+ROLLOUT_DTYPES = ("float32", "float16", "bfloat16")
 
 
 class RolloutIS(str, Enum):
@@ -229,9 +229,10 @@ class SyntheticConfig(BackendConfig):
                 f"one of {', '.join(ROLLOUT_DTYPES)}")
         for name in ("router_temperature", "lr", "max_grad_norm", "rollout_is_threshold"):
             require_positive(f"{k}.{name}", getattr(self, name))
-        for name in ("router_noise", "router_perturbation"):
-            require(is_number(getattr(self, name)) and getattr(self, name) >= 0, f"{k}.{name}", getattr(self, name),
-                    "a finite number >= 0")
+        require(is_number(self.router_noise) and self.router_noise >= 0, f"{k}.router_noise", self.router_noise,
+                "a finite standard deviation >= 0")
+        require(is_number(self.router_perturbation) and self.router_perturbation >= 0, f"{k}.router_perturbation",
+                self.router_perturbation, "a finite scale >= 0 (logit units)")
         require(is_number(self.clip_ratio) and 0 < self.clip_ratio < 1, f"{k}.clip_ratio", self.clip_ratio,
                 "a fraction in (0, 1)")
         require(is_number(self.clip_ratio_c) and self.clip_ratio_c > 1, f"{k}.clip_ratio_c", self.clip_ratio_c,

@@ -18,9 +18,8 @@ import time
 from collections.abc import Callable
 
 import torch
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize_config_module
 
-from ablate.app import CONFIG_DIR
 from ablate.backends.synthetic import (
     MoEPolicy,
     Replay,
@@ -50,7 +49,7 @@ def main() -> None:
     parser.add_argument("--cell-steps", type=int, default=200)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. backend=synthetic_offpolicy policy=mismatch budget=0.25")
     args = parser.parse_args()
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+    with initialize_config_module(config_module="ablate.conf", version_base="1.3"):
         cell, short = [cell_from_config(compose("config", overrides=["policy=full", *args.overrides, f"backend.steps={steps}"]))
                        for steps in (args.cell_steps, args.repeats + 1)]
     cfg: SyntheticConfig = cell.backend  # type: ignore[assignment]

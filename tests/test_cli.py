@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+#: The real groups: the YAML files of conf/backend, conf/policy and sweeps/, nothing else.
 GROUPS = {
-    "backend": "noop, synthetic, verl",
-    "policy": "fisher, full, mismatch, none, random, uniform",
-    "sweeps": "budget_selection, fisher_estimator, pareto_budget, per_layer, smoke, tune_fisher",
+    group: ", ".join(sorted(path.stem for path in folder.glob("*.yaml")))
+    for group, folder in (("backend", REPO / "conf" / "backend"), ("policy", REPO / "conf" / "policy"),
+                          ("sweeps", REPO / "sweeps"))
 }
 
 

@@ -400,6 +400,8 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
     batch_size = cfg.prompts_per_step * cfg.group_size
     first_valid = prompt_len if choice_value(cfg.replay_tokens) == "response" else 0
     valid = (torch.arange(seq_len) >= first_valid).repeat(batch_size)
+    # Sequence boundaries: `uniform` spreads its quota over sequences and positions with them.
+    offsets = torch.arange(0, batch_size * seq_len + 1, seq_len)
     response = slice(prompt_len - 1, seq_len)  # positions whose next token is a response token
     needs_native = policy.name == "mismatch"
     estimator = choice_value(cell.fisher.estimator)
@@ -420,7 +422,7 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
         # does) takes its ratio against that native pass.
         with torch.no_grad():
             native_pass = model(inputs) if needs_native else None
-            routes = Routes(rollout=flat_rollout, valid=valid, num_experts=cfg.experts,
+            routes = Routes(rollout=flat_rollout, valid=valid, num_experts=cfg.experts, offsets=offsets,
                             native=None if native_pass is None else native_pass[2])
             estimate_used = fisher.scores() if fisher.has_estimate else None
             mask = policy.select(routes, budget, generator=streams["selection"])
@@ -470,6 +472,7 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
             record = route_diagnostics(
                 diagnostics_routes, mask, budget, fisher_scores=estimate_used,
                 fisher_fallback=bool(policy.info.get("fisher_fallback", 0.0)),
+                fisher_nonfinite=fisher.nonfinite_last_step,
             )
             record.update(mismatch_metrics(
                 logp_replayed, rollout.log_probs, torch.ones_like(logp_replayed, dtype=torch.bool),

@@ -59,6 +59,7 @@ class JobComposer:
 
     def __init__(self, master: DictConfig, config_loader: ConfigLoaderImpl) -> None:
         self.master, self.loader = master, config_loader
+        _, self.repository = config_loader._parse_overrides_and_create_caching_repo(master.hydra.job.config_name, [])
         self.parser = OverridesParser.create(config_loader=config_loader)
         self._parsed: dict[str, Override] = {}
         self._composed: dict[tuple[str, ...], DictConfig] = {}
@@ -73,7 +74,7 @@ class JobComposer:
         self._restore()
         groups, values = [], []
         for override in map(self.parse, overrides):
-            is_group = self.loader.repository.group_exists(override.key_or_group)
+            is_group = self.repository.group_exists(override.key_or_group)
             (values if isinstance(override.value(), dict) or not is_group else groups).append(override)
         key = tuple(o.input_line for o in groups if o.input_line is not None)
         if key not in self._composed:

@@ -183,12 +183,10 @@ def test_check_cell_config_rejects_fsdp_and_missing_rollout_routes():
         check_cell_config(config, "random")
 
 
-def test_check_verl_version(tmp_path):
+def test_check_verl_version():
     assert check_verl() == "0.9.1"
-    wrong = tmp_path / "REQUIRED_VERL.txt"
-    wrong.write_text("UPSTREAM=x\nMODE=pinned_tag\nTAG=v0.8.0\n")
-    with pytest.raises(VerlLaunchError, match="expected verl==0.8.0"):
-        check_verl(wrong)
+    with pytest.raises(VerlLaunchError, match=r"verl==0.9.1 is installed .*: expected verl==0.8.0 \(REQUIRED_VERL.txt\)"):
+        check_verl("0.8.0")
 
 
 # ------------------------------------------------------------------ where the hook is installed

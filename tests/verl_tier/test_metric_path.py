@@ -164,9 +164,8 @@ def update_step_metrics(hook, model, config) -> dict:
 
 
 def test_hook_keys_reach_the_run_store_and_wandb_through_verls_metric_path(routers, hooked, tmp_path, monkeypatch):
-    from hydra import compose, initialize_config_dir
+    from hydra import compose, initialize_config_module
 
-    from ablate.app import CONFIG_DIR
     from ablate.backends.verl import backend
     from ablate.runner import run_cell
     from ablate.store import read_records
@@ -190,7 +189,7 @@ def test_hook_keys_reach_the_run_store_and_wandb_through_verls_metric_path(route
         return [sys.executable, "-c", script, data], {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_file)}
 
     monkeypatch.setattr(backend, "build_command", build_command)
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+    with initialize_config_module(config_module="ablate.conf", version_base="1.3"):
         cfg = compose("config", overrides=["backend=verl", "policy=random", "budget=0.5", f"store_dir={tmp_path}"])
     run_cell(cfg)
     (cell,) = [path for path in (tmp_path / "adhoc").iterdir() if not path.name.startswith("_")]

@@ -35,7 +35,15 @@ from ablate.cell import Cell
 from ablate.config import VerlConfig, choice_value
 from ablate.diagnostics import SCHEMA
 
-EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "verl"
+def default_config_dir() -> Path:
+    """Where ``backend.config_name`` is looked up when ``backend.config_dir`` is null.
+
+    The repository's ``examples/verl`` ships inside the package as ``ablate/backends/verl/examples``
+    (pyproject.toml): an installed package finds it beside this module, a checkout at its source.
+    """
+    installed = Path(__file__).resolve().parent / "examples"
+    return installed if installed.is_dir() else Path(__file__).resolve().parents[3] / "examples" / "verl"
+
 
 #: verl metric -> schema key, where the two mean the same thing. verl's rollout_corr helper takes
 #: l = old_log_prob - rollout_log_prob over response tokens: ``kl`` is mean(-l) (our k1) and
@@ -113,7 +121,7 @@ def build_command(cell: Cell, metrics_file: Path) -> tuple[list[str], dict[str, 
             f"policy.fisher.estimator={estimator} on backend=verl: the verl hook measures router-logit "
             "gradients only; expected router_logits"
         )
-    config_dir = Path(cfg.config_dir) if cfg.config_dir else EXAMPLES
+    config_dir = Path(cfg.config_dir) if cfg.config_dir else default_config_dir()
     own = ["trainer.logger=[console,file]", f"trainer.experiment_name={cell.name}", *cfg.overrides]
     settings = HookSettings(policy=cell.policy_spec(), budget=cell.budget, seed=cell.seed)
     draft = compose(config_dir, cfg.config_name, [*verl_overrides(settings), *own])

@@ -19,7 +19,10 @@ from pathlib import Path
 
 from ablate.backends.verl.hook import HookSettings
 
-REQUIRED_VERL = Path(__file__).resolve().parents[3] / "REQUIRED_VERL.txt"
+#: The verl release the hook is written against. REQUIRED_VERL.txt, at the top of the repository,
+#: declares the same pin in verl-recipe's format (a test keeps the two equal); the constant is
+#: what an installed package, which carries no repository files, checks against.
+VERL_VERSION = "0.9.1"
 WORKER_MODULE = "ablate.backends.verl.worker"
 ENV_PREFIX = "+ray_kwargs.ray_init.runtime_env.env_vars."
 MODE_KEY = "actor_rollout_ref.actor.megatron.router_replay.mode"
@@ -77,29 +80,19 @@ def verl_overrides(settings: HookSettings) -> list[str]:
     ]
 
 
-def required_verl(path: Path = REQUIRED_VERL) -> dict[str, str]:
-    """The ``KEY=VALUE`` pairs of ``REQUIRED_VERL.txt`` (comments and blank lines skipped)."""
-    pairs = {}
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            key, _, value = line.partition("=")
-            pairs[key.strip()] = value.strip()
-    return pairs
-
-
-def check_verl(path: Path = REQUIRED_VERL) -> str:
+def check_verl(wanted: str = VERL_VERSION) -> str:
     """The installed verl version, or a clear error when it is missing or not the pinned one."""
-    wanted = required_verl(path)["TAG"].lstrip("v")
     try:
         found = importlib.metadata.version("verl")
     except importlib.metadata.PackageNotFoundError:
         raise VerlLaunchError(
             f"backend=verl needs verl {wanted} (REQUIRED_VERL.txt), but verl is not installed in {sys.executable}: "
-            "run .ci/verl-env.sh or follow PIP_INSTALL in REQUIRED_VERL.txt"
+            f"install it as REQUIRED_VERL.txt's PIP_INSTALL line says (.ci/verl-env.sh builds such an environment)"
         ) from None
     if found != wanted:
-        raise VerlLaunchError(f"verl=={found} is installed in {sys.executable}: expected verl=={wanted} from {path}")
+        raise VerlLaunchError(
+            f"verl=={found} is installed in {sys.executable}: expected verl=={wanted} (REQUIRED_VERL.txt)"
+        )
     return found
 
 
@@ -165,12 +158,12 @@ def compose(config_dir: str | Path, config_name: str, overrides: Sequence[str]):
 
 
 __all__ = [
+    "VERL_VERSION",
     "VerlLaunchError",
     "check_cell_config",
     "check_verl",
     "compose",
     "hydra_string",
-    "required_verl",
     "seed_overrides",
     "update_epochs",
     "verl_overrides",
