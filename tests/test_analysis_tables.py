@@ -206,3 +206,21 @@ def test_export_table_all_formats(tmp_path):
     assert "\\toprule" in paths[3].read_text() and "n\\_seeds" in paths[3].read_text()
     assert "| a\\|b |" in to_markdown(pd.DataFrame({"x": ["a|b"]}))
     assert "| 0 |" in to_markdown(pd.DataFrame({"x": [0.0]}))
+
+
+def test_each_context_is_its_own_multiplicity_family():
+    """Two regimes asked the same question: neither regime's p-values are charged for the other's."""
+    rng = np.random.default_rng(3)
+    rows = []
+    for regime, effect in (("sync", 1.0), ("async", 0.0)):
+        for seed in range(8):
+            base = rng.normal(0.0, 0.1)
+            for policy, budget, value in (("none", 0.0, base), ("full", 1.0, base + effect + rng.normal(0, 0.01))):
+                rows.append({"regime": regime, "policy": policy, "budget": budget, "seed": seed, "y": value})
+    table = effects(pd.DataFrame(rows), "y", by=["regime"], reps=200)
+    replay = table[table["effect"] == "replay"].set_index("regime")
+    assert replay.loc["sync", "p_value"] == min_achievable_pvalue(8)
+    # One replay test per regime: Holm within the regime leaves it as it is.
+    assert replay.loc["sync", "p_adj"] == replay.loc["sync", "p_value"]
+    assert set(table.attrs["families"]) == {"per-budget (regime=sync)", "per-budget (regime=async)",
+                                            "pooled (regime=sync)", "pooled (regime=async)"}

@@ -186,9 +186,12 @@ def effects(
     better side, the probability of a larger value).
 
     **Multiplicity.** ``p_adj`` is ``p_value`` adjusted within the outcome's family (``adjust``:
-    Holm by default, ``"bh"`` Benjamini-Hochberg, ``"none"``). The per-budget rows (replay,
-    budget, selection, matched selection) form one family and the pooled rows another, so a
-    claim across budgets is not charged for the per-budget tests. ``note`` says in plain words
+    Holm by default, ``"bh"`` Benjamini-Hochberg, ``"none"``). A family is one context's rows
+    (a context: one combination of the arm keys besides policy and budget, e.g. one regime of
+    the backend; the whole table when there are none), per-budget rows (replay, budget,
+    selection, matched selection) and pooled rows apart, so a claim across budgets is not
+    charged for the per-budget tests, and the question asked of one regime is not charged for
+    the questions asked of another. ``note`` says in plain words
     when the seeds are too few for an interval or a claim, and when seeds were dropped.
     """
     keys = arm_keys(df, by)
@@ -209,7 +212,7 @@ def effects(
     table = pd.DataFrame([{k: v for k, v in row.items() if not k.startswith("_")} for row in rows],
                          columns=[*keys, *EFFECT_COLUMNS])
     table["pooled"] = table["pooled"].astype(bool)
-    families = {"per-budget": ~table["pooled"], "pooled": table["pooled"]}
+    families = _families(table, keys)
     for members in families.values():
         table.loc[members, "p_adj"] = adjust_pvalues(table.loc[members, "p_value"].to_numpy(), adjust)
     direction = HIGHER_IS_BETTER.get(outcome)
@@ -219,6 +222,19 @@ def effects(
         improvement={True: "higher is better", False: "lower is better"}.get(direction, "P(policy > baseline)"),
     )
     return table
+
+
+def _families(table: pd.DataFrame, keys: Sequence[str]) -> dict[str, pd.Series]:
+    """Row masks of each multiplicity family: per context, per-budget rows and pooled rows apart."""
+    families: dict[str, pd.Series] = {}
+    contexts_of = pd.Series("", index=table.index)
+    for key in keys:
+        contexts_of += (", " if key != keys[0] else "") + f"{key}=" + table[key].astype(str)
+    for context in dict.fromkeys(contexts_of):
+        here = contexts_of == context
+        for kind, members in (("per-budget", here & ~table["pooled"]), ("pooled", here & table["pooled"])):
+            families[f"{kind} ({context})" if context else kind] = members
+    return families
 
 
 @dataclass(frozen=True)
