@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import sys
 import time
@@ -85,6 +86,10 @@ def run_cell(cfg: DictConfig) -> dict[str, Any]:
     interrupted), and the backend's own error when the cell fails (recorded as failed).
     """
     cell = cell_from_config(cfg)
+    if getattr(cell.backend, "dry_run", False):  # a checked launch command; nothing is written
+        from ablate.backends import backend_dry_run
+
+        return {"dry_run": backend_dry_run(cell.backend.name)(cell)}
     directory = cell_directory(cfg, cell)
     if inspect_cell(directory, cell.cell_id).state is CellState.COMPLETE:
         log.info("%s: complete in %s, skipped", cell.name, directory)
@@ -217,6 +222,10 @@ def run_cell_from_cli(cfg: DictConfig) -> float | list[float]:
         print(f"{_where(cfg)}: failed after {time.monotonic() - started:.1f} s: {describe_error(error)} "
               "(the traceback is also in its status.json)", file=sys.stderr, flush=True)
         raise
+    if "dry_run" in summary:
+        print(summary["dry_run"], flush=True)
+        print(f"{cell_from_config(cfg).name}: dry run, nothing run or written", flush=True)
+        return math.nan
     outcome = "already complete, skipped" if summary.get("skipped") else f"complete in {time.monotonic() - started:.1f} s"
     values = objective_values(cfg, summary)
     names = list(cfg.objective) if isinstance(cfg.objective, ListConfig) else [cfg.objective]

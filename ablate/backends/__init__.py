@@ -14,8 +14,23 @@ BACKENDS = {
 }
 
 
+#: backend name -> "module:function" with signature ``dry_run(cell) -> str``: the checked launch a
+#: cell would make (``backend.dry_run=true``), for backends that launch another program.
+DRY_RUNS = {
+    "verl": "ablate.backends.verl.backend:dry_run_command",
+}
+
+
 def backend_runner(name: str) -> Callable[..., Any]:
-    if name not in BACKENDS:
-        raise ValueError(f"backend={name!r}: expected one of {', '.join(sorted(BACKENDS))}")
-    module, function = BACKENDS[name].split(":")
+    return _load(BACKENDS, name)
+
+
+def backend_dry_run(name: str) -> Callable[..., str]:
+    return _load(DRY_RUNS, name)
+
+
+def _load(table: dict[str, str], name: str) -> Callable[..., Any]:
+    if name not in table:
+        raise ValueError(f"backend={name!r}: expected one of {', '.join(sorted(table))}")
+    module, function = table[name].split(":")
     return getattr(importlib.import_module(module), function)

@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_module  # noqa: E402
 from ablate.backends.verl.backend import VERL_KEYS, build_command, split_metrics  # noqa: E402
 from ablate.cell import cell_from_config  # noqa: E402
 from ablate.runner import run_cell  # noqa: E402
-from ablate.store import read_json  # noqa: E402
+from ablate.backends.verl.launch import VerlLaunchError  # noqa: E402
 
 pytestmark = pytest.mark.verl
 
@@ -52,15 +52,20 @@ def test_cell_becomes_a_checked_verl_command(tmp_path, policy, budget, mode):
     assert hooked == (policy not in ("none", "full"))
 
 
-def test_dry_run_cell_goes_through_the_run_store(tmp_path):
-    run_cell(verl_cell_config(tmp_path, "policy=random", "budget=0.5", "backend.dry_run=true"))
-    (cell,) = [p for p in (tmp_path / "adhoc").iterdir() if not p.name.startswith("_")]
-    assert read_json(cell / "status.json")["status"] == "complete"
-    assert read_json(cell / "cell.json")["backend"] == "verl"
+def test_dry_run_prints_the_checked_command_and_writes_nothing(tmp_path, capsys):
+    from ablate.runner import run_cell_from_cli
+
+    run_cell_from_cli(verl_cell_config(tmp_path, "policy=random", "budget=0.5", "backend.dry_run=true"))
+    printed = capsys.readouterr().out.splitlines()
+    assert "-m verl.trainer.main_ppo" in printed[0] and "router_replay.mode=R3" in printed[0]
+    assert printed[1] == "random-b0.5-s0: dry run, nothing run or written"
+    assert not (tmp_path / "adhoc").exists()
+    with pytest.raises(VerlLaunchError, match="Megatron"):  # checked as a launch is
+        run_cell(verl_cell_config(tmp_path, "policy=random", "budget=0.5", "backend.dry_run=true",
+                                  "backend.overrides=['actor_rollout_ref.actor.strategy=fsdp']"))
 
 
 def test_fsdp_engine_is_refused_before_launch(tmp_path):
-    from ablate.backends.verl.launch import VerlLaunchError
 
     cell = cell_from_config(verl_cell_config(
         tmp_path, "policy=random", "budget=0.5", "backend.overrides=['actor_rollout_ref.actor.strategy=fsdp']"))
@@ -69,7 +74,6 @@ def test_fsdp_engine_is_refused_before_launch(tmp_path):
 
 
 def test_expert_estimators_are_refused_on_verl(tmp_path):
-    from ablate.backends.verl.launch import VerlLaunchError
 
     cell = cell_from_config(verl_cell_config(tmp_path, "policy=fisher", "budget=0.5", "policy.fisher.estimator=expert_outputs"))
     with pytest.raises(VerlLaunchError, match="policy.fisher.estimator=expert_outputs on backend=verl"):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -134,14 +135,16 @@ def build_command(cell: Cell, metrics_file: Path) -> tuple[list[str], dict[str, 
     return command, {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_file)}
 
 
+def dry_run_command(cell: Cell) -> str:
+    """``backend.dry_run=true``: the verl command the cell would run, checked as a launch is."""
+    command, _ = build_command(cell, Path("verl_metrics.jsonl"))
+    return shlex.join(command)
+
+
 def run_cell_steps(cell: Cell, log_step: Callable[..., None]) -> None:
-    cfg: VerlConfig = cell.backend  # type: ignore[assignment]
     metrics_file = Path(os.environ.get("ABLATE_CELL_DIR", ".")) / "verl_metrics.jsonl"
     command, env = build_command(cell, metrics_file)
     metrics_file.unlink(missing_ok=True)  # a rerun must not replay the previous attempt's steps
-    if cfg.dry_run:
-        print(" ".join(command))
-        return
     process = subprocess.Popen(command, env=env)
     try:
         for line in follow(metrics_file, process):
