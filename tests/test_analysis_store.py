@@ -280,3 +280,19 @@ def test_base_install_without_the_analysis_extra(sweep_dir, tmp_path, blocked):
         assert result.returncode == 0, result.stderr
         assert "plots skipped: Plots needs matplotlib, which is not installed: pip install 'ablate[analysis]'" in result.stdout
         assert (out / "table_final_reward.md").exists() and not list(out.glob("*.png"))
+
+
+def test_settings_of_a_named_regime_are_no_arm_keys_of_their_own(tmp_path):
+    """backend=synthetic,synthetic_async varies backend.regime and, with it, backend.rollout_lag."""
+    from ablate.analysis.load import _LoadedCell, varied_config_keys
+
+    def cell(regime, lag, noise):
+        return _LoadedCell(meta={}, config={"backend.regime": regime, "backend.rollout_lag": lag,
+                                            "backend.router_noise": noise}, records=pd.DataFrame())
+
+    cells = [cell(r, lag, n) for r, lag in (("default", 0), ("async", 2), ("lag1", 1)) for n in (0.0, 0.07)]
+    assert varied_config_keys(cells) == (["backend.regime", "backend.router_noise"],
+                                         {"backend.rollout_lag": "backend.regime"})
+    # Two lags under one regime: the lag is an arm of its own.
+    cells.append(cell("default", 2, 0.0))
+    assert varied_config_keys(cells)[0] == ["backend.regime", "backend.rollout_lag", "backend.router_noise"]

@@ -166,6 +166,9 @@ def _plots_module() -> Any:
 def _print_design(cells: pd.DataFrame, keys: list[str], where: dict[str, Any], args: argparse.Namespace) -> None:
     arms = " x ".join(["policy", "budget", *keys])
     print(f"arms: {arms}" + (f"; where {', '.join(f'{k}={v}' for k, v in where.items())}" if where else ""))
+    determined: dict[str, str] = cells.attrs.get("determined_keys", {})
+    for key in sorted(set(determined.values()) & set(keys)):
+        print(f"  {key} also sets {', '.join(sorted(k for k, by in determined.items() if by == key))}")
     per_arm = cells.groupby([*keys, "policy", "budget"], dropna=False)["seed"].nunique()
     if per_arm.empty:
         return

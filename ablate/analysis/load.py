@@ -21,7 +21,9 @@ Keys that say where or how a cell ran rather than what it computed (``tracking``
 ``trial``) and policy settings the arm name already carries are not arm keys. The varied keys
 are listed in ``df.attrs["config_keys"]``: the tables group by them, so a sweep over
 ``backend.router_noise`` (or a rerun with another ``backend.steps``) gives separate arms
-instead of clashing rows. ``where={"backend.steps": 5}`` keeps only the matching cells first
+instead of clashing rows. A varied key whose value another arm key determines (the settings of a
+named regime, ``backend=synthetic_async``, go with ``backend.regime``) is no arm key of its own:
+``df.attrs["determined_keys"]`` maps it to the key that determines it. ``where={"backend.steps": 5}`` keeps only the matching cells first
 (any config key or identity column); keys that no longer vary are then no arm keys.
 
 Then the outcomes of :func:`ablate.analysis.outcomes.cell_outcomes`, recomputed from the
@@ -125,11 +127,12 @@ def load_runs(
     else:
         raise ValueError(f"source={source!r}: expected 'store', 'wandb-offline' or 'wandb'")
     cells = _select(cells, dict(where or {}))
-    config_keys = varied_config_keys(cells)
+    config_keys, determined = varied_config_keys(cells)
     frame = _steps_frame(cells, config_keys) if per_step else _cells_frame(cells, config_keys, settings)
     frame.attrs["excluded"] = excluded
     frame.attrs["corrupt_files"] = corrupt
     frame.attrs["config_keys"] = config_keys
+    frame.attrs["determined_keys"] = determined
     frame.attrs["where"] = {key: _plain(value) for key, value in (where or {}).items()}
     _report_excluded(excluded, corrupt, str(path))
     _report_schema_versions(cells, str(path))
@@ -167,18 +170,38 @@ def parse_where(items: Iterable[str]) -> dict[str, Any]:
     return where
 
 
-def varied_config_keys(cells: list[_LoadedCell]) -> list[str]:
-    """Config keys whose value differs between ``cells`` and that make an arm (module doc)."""
+def varied_config_keys(cells: list[_LoadedCell]) -> tuple[list[str], dict[str, str]]:
+    """Config keys whose value differs between ``cells`` and that make an arm (module doc).
+
+    Returns the arm keys and, apart, the varied keys that another arm key determines, each with
+    the key that determines it: a named regime of a backend (``backend=synthetic_async``) sets
+    ``backend.regime`` together with its settings (``backend.rollout_lag``), and those settings
+    add no arm of their own. Keys with more distinct values are kept first, then by name.
+    """
     keys = sorted({key for cell in cells for key in cell.config if not _not_arm_key(key)})
-    varied = []
+    values: dict[str, list[Any]] = {}
     for key in keys:
-        values = [_hashable(cell.config.get(key, _MISSING)) for cell in cells]
-        if len(set(values)) < 2:
+        column = [_hashable(cell.config.get(key, _MISSING)) for cell in cells]
+        if len(set(column)) < 2:
             continue
         if key.startswith("policy.") and _fixed_within_policy_arms(cells, key):
             continue  # the arm name (fisher[tau=1.0]) already tells these cells apart
-        varied.append(key)
-    return varied
+        values[key] = column
+    varied: list[str] = []
+    determined: dict[str, str] = {}
+    for key in sorted(values, key=lambda k: (-len(set(values[k])), k)):
+        by = next((kept for kept in varied if _determines(values[kept], values[key])), None)
+        if by is None:
+            varied.append(key)
+        else:
+            determined[key] = by
+    return sorted(varied), determined
+
+
+def _determines(cause: list[Any], effect: list[Any]) -> bool:
+    """Whether each value of ``cause`` goes with one value of ``effect`` only."""
+    seen: dict[Any, Any] = {}
+    return all(seen.setdefault(c, e) == e for c, e in zip(cause, effect))
 
 
 def _not_arm_key(key: str) -> bool:
