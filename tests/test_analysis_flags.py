@@ -1,12 +1,14 @@
 """Flags judged against none and full of the same sweep, on planted frames where each must fire and must not."""
 
+import warnings
+
 import numpy as np
 import pandas as pd
 import pytest
 
 from ablate.analysis.flags import flag_policies
 
-NONE = {"final_reward": 0.60, "reward_late_gain": 0.02, "expert_drift_final": 0.30,
+NONE = {"final_reward": 0.60, "reward_auc": 0.45, "reward_late_gain": 0.02, "expert_drift_final": 0.30,
         "kl_k3_mean": 8e-3, "extreme_token_frac_mean": 4e-3}
 FULL = {**NONE, "kl_k3_mean": 0.4e-3, "extreme_token_frac_mean": 0.3e-3}
 
@@ -87,13 +89,56 @@ def test_nothing_is_judged_with_too_few_seeds_or_without_none_and_full():
     assert "too weak not judged: needs none and full" in no_full.loc[("fisher", 0.5), "note"]
 
 
-def test_flags_rarely_fire_when_nothing_is_wrong():
+def test_flags_rarely_fire_in_a_sweep_where_nothing_is_wrong():
+    # Five healthy arms beside none and full: 6 arms x 3 restrictive questions and 5 weak ones
+    # per sweep. Unadjusted, some flag fired in about half of such sweeps; adjusted per context
+    # (Holm), a false flag anywhere in a sweep is at most a (1 - level) event.
     rng = np.random.default_rng(4)
-    fired = 0
-    trials = 40
+    healthy = {("random", b): {**FULL} for b in (0.1, 0.25, 0.5)} | {("fisher", 0.25): {**FULL}}
+    trials, sweeps_with_a_flag = 40, 0
     for i in range(trials):
-        frame = flag_frame(rng, planted_arms({("random", 0.25): {**FULL}}), n_seeds=8)
-        flags = flag_policies(frame, reps=500, seed=i)
-        fired += int(flags["too_restrictive"].sum() + flags["too_weak"].sum())
-    # 3 arms x 3 restrictive outcomes per trial, each a one-sided 2.5% chance of a false flag.
-    assert fired / (trials * 9) <= 0.045
+        flags = flag_policies(flag_frame(rng, planted_arms(healthy), n_seeds=8), reps=300, seed=i)
+        sweeps_with_a_flag += bool(flags["too_restrictive"].any() or flags["too_weak"].any())
+        assert flags["restrictive_p_adj"].notna().all()
+    assert sweeps_with_a_flag / trials <= 0.1
+
+
+def test_unadjusted_flags_are_a_setting_and_fire_more_often():
+    rng = np.random.default_rng(5)
+    healthy = {("random", b): {**FULL} for b in (0.1, 0.25, 0.5)}
+    fired = {"holm": 0, "none": 0}
+    for i in range(30):
+        frame = flag_frame(rng, planted_arms(healthy), n_seeds=8)
+        for adjust in fired:
+            flags = flag_policies(frame, reps=300, seed=i, adjust=adjust)
+            fired[adjust] += int(flags["too_restrictive"].sum())
+    assert fired["holm"] < fired["none"]
+    with pytest.raises(ValueError, match="adjust='sidak'"):
+        flag_policies(flag_frame(rng, planted_arms()), adjust="sidak")
+
+
+def test_an_arm_that_learned_faster_is_not_too_restrictive():
+    # It reached none's final reward early, so it gained less at the end: not a restriction.
+    rng = np.random.default_rng(6)
+    faster = {**FULL, "reward_auc": 0.52, "reward_late_gain": 0.002}
+    flags = flag_policies(flag_frame(rng, planted_arms({("fisher", 0.25): faster})))
+    assert not flags.loc[("fisher", 0.25), "too_restrictive"]
+    assert flags.loc[("fisher", 0.25), "reward_auc_vs_none"] > 0
+
+
+def test_too_weak_share_has_an_interval_when_most_seeds_give_full_no_reduction():
+    # Seeds where full and none agree exactly (a regime with little mismatch) give resamples
+    # with no ratio; they are dropped, not turned into a NaN interval (and a warning) that
+    # could never flag.
+    rng = np.random.default_rng(7)
+    frame = flag_frame(rng, planted_arms({("random", 0.05): {**NONE, "kl_k3_mean": 7.9e-3,
+                                                              "extreme_token_frac_mean": 3.95e-3}}))
+    for outcome in ("kl_k3_mean", "extreme_token_frac_mean"):
+        for seed in range(6):
+            none_value = frame.loc[(frame["policy"] == "none") & (frame["seed"] == seed), outcome].iloc[0]
+            frame.loc[frame["policy"].isin(["full", "random"]) & (frame["seed"] == seed), outcome] = none_value
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flags = flag_policies(frame)
+    share, high = flags.loc[("random", 0.05), ["kl_k3_mean_share", "kl_k3_mean_share_high"]]
+    assert np.isfinite(high) and share <= high < 0.5

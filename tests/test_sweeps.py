@@ -34,7 +34,7 @@ def cells(sweep_dir: Path) -> dict[str, Path]:
 
 def smoke(store: Path, *extra: str) -> subprocess.CompletedProcess:
     shrink = [o for o in TINY if not o.startswith("backend.steps")]
-    return ablate(store, "sweeps=smoke", "backend.steps=3", *shrink, "tracking.mode=disabled", *extra)
+    return ablate(store, "sweeps=smoke", "seed=0,1", "backend.steps=3", *shrink, "tracking.mode=disabled", *extra)
 
 
 def check_smoke_store(sweep_dir: Path) -> None:

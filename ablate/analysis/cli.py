@@ -141,9 +141,10 @@ def _analyse(args: argparse.Namespace, where: dict[str, Any]) -> int:
         print(_effects_legend(effect_table))
         print()
         print(to_markdown(effect_table))
-    flags = flag_policies(cells, **settings)
+    flags = flag_policies(cells, adjust=args.adjust, **settings)
     export_table(flags, out / "flags", formats=("csv", "md"))
-    print(f"\n## flags (against none and full of the same sweep, at level {args.level:g})\n")
+    print(f"\n## flags (against none and full of the same sweep, at level {args.level:g}, "
+          f"p adjusted ({args.adjust}) over the questions of each context)\n")
     print(_flags_text(flags))
     if plots is not None and steps is not None:
         plots.plot_step_curves(steps, out / "steps", by=keys)

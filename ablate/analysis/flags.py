@@ -5,11 +5,13 @@ An arm (policy at a budget, within one context of the other arm keys; see
 :mod:`ablate.analysis.tables`) is
 
 - **too restrictive** when replay held back learning or adaptation: for at least one of
-  ``restrictive_outcomes`` (default ``final_reward``, ``reward_late_gain``,
-  ``expert_drift_final``) its paired difference from ``none`` is negative with an interval at
-  ``level`` whose upper bound is below ``-restrictive_margin x |mean of none|`` (a margin of 0,
-  the default, flags any drop whose interval excludes 0; 0.05 asks for a drop of at least 5%).
-  ``full`` is judged too: full replay is the arm most likely to constrain the experts.
+  ``restrictive_outcomes`` (default ``final_reward``, ``reward_auc``, ``expert_drift_final``)
+  its paired difference from ``none`` is negative with an interval at ``level`` whose upper
+  bound is below ``-restrictive_margin x |mean of none|`` (a margin of 0, the default, flags any
+  drop whose interval excludes 0; 0.05 asks for a drop of at least 5%). ``full`` is judged too:
+  full replay is the arm most likely to constrain the experts. The late reward gain is not among
+  the defaults: an arm that learned faster has less left to gain at the end, so a drop there
+  can mean better, not restricted.
 - **too weak** when its mismatch outcomes cannot be told apart from ``none``'s in the sense that
   matters: for every one of ``weak_outcomes`` (default ``kl_k3_mean``,
   ``extreme_token_frac_mean``) the share of ``full``'s reduction of that outcome (against
@@ -19,17 +21,19 @@ An arm (policy at a budget, within one context of the other arm keys; see
   arm whose interval is wide is *not* flagged, because "no evidence of an effect" is not
   evidence of no effect. ``full`` is the reference and is never too weak.
 
-Each judgement also needs an exact sign-flip test of the same question to agree at ``1 - level``
-(for "too weak", of ``mean(reduction - weak_share x full's reduction) < 0``): a bootstrap
-interval is somewhat too narrow at few seeds (on null frames of 8 seeds the interval alone
-raised a false "too restrictive" for about 5% of the outcomes judged, not 2.5%; with the test
-2.4%), and the exact test holds its level at any seed count. Nothing is judged below
-``min_seeds`` paired seeds (no interval is made there; see
-:func:`ablate.analysis.stats.min_seeds_for_interval`), nor without ``none`` (and, for "too
-weak", ``full``) in the same context; the ``note`` column says why. ``none`` is never flagged.
-Each flag is a per-arm judgement at ``level``, not a family-wise claim: with many arms an
-occasional flag can come from chance (at most ``(1 - level) / 2`` per outcome judged when
-nothing is wrong), so quote a flag with the effect row behind it and its adjusted p-value.
+Each judgement also needs an exact sign-flip test of the same question (for "too weak", of
+``mean(reduction - weak_share x full's reduction) < 0``, on every weak outcome: the arm's p is
+the largest of its outcomes', an intersection-union test) to reject after adjustment for
+multiplicity. A sweep asks many such questions, and unadjusted per-arm screens fired on about
+half of the sweeps where nothing was planted. So within each context (one combination of the
+other arm keys), the p-values of every "too restrictive" question (arm x outcome) form one
+family and those of every "too weak" question (arm) another, each adjusted with ``adjust``
+(default Holm: the chance of even one false flag in a context is at most ``(1 - level)``). The
+bootstrap interval must agree too: it is somewhat too narrow at few seeds, the exact test holds
+its level at any seed count. Nothing is judged below ``min_seeds`` paired seeds (no interval is
+made there; see :func:`ablate.analysis.stats.min_seeds_for_interval`), nor without ``none``
+(and, for "too weak", ``full``) in the same context; the ``note`` column says why. ``none`` is
+never flagged.
 """
 
 from __future__ import annotations
@@ -41,7 +45,14 @@ import numpy as np
 import pandas as pd
 
 from ablate.analysis.outcomes import HIGHER_IS_BETTER
-from ablate.analysis.stats import CiMethod, paired_bootstrap_ci, ratio_of_means_ci, sign_flip_pvalue
+from ablate.analysis.stats import (
+    Adjustment,
+    CiMethod,
+    adjust_pvalues,
+    paired_bootstrap_ci,
+    ratio_of_means_ci,
+    sign_flip_pvalue,
+)
 from ablate.analysis.tables import (
     arm_keys,
     arm_seeds,
@@ -53,7 +64,7 @@ from ablate.analysis.tables import (
     row_rng,
 )
 
-RESTRICTIVE_OUTCOMES: tuple[str, ...] = ("final_reward", "reward_late_gain", "expert_drift_final")
+RESTRICTIVE_OUTCOMES: tuple[str, ...] = ("final_reward", "reward_auc", "expert_drift_final")
 WEAK_OUTCOMES: tuple[str, ...] = ("kl_k3_mean", "extreme_token_frac_mean")
 
 
@@ -66,6 +77,7 @@ def flag_policies(
     seed: int = 0,
     method: CiMethod = "percentile",
     min_seeds: int | None = None,
+    adjust: Adjustment = "holm",
     restrictive_outcomes: Sequence[str] = RESTRICTIVE_OUTCOMES,
     restrictive_margin: float = 0.0,
     weak_outcomes: Sequence[str] = WEAK_OUTCOMES,
@@ -76,14 +88,16 @@ def flag_policies(
     Columns: the arm keys, ``policy``, ``budget``, ``too_restrictive``, ``too_weak`` (bool),
     ``n_seeds`` (seeds paired with ``none``), per restrictive outcome ``<o>_vs_none`` and
     ``<o>_vs_none_high`` (mean difference and interval upper bound), per weak outcome
-    ``<o>_share`` and ``<o>_share_high``, ``reason`` (what fired, with the numbers) and
-    ``note`` (what could not be judged and why). Outcomes missing from the frame are skipped.
+    ``<o>_share`` and ``<o>_share_high``, ``restrictive_p_adj`` (the smallest adjusted p of the
+    arm's restrictive questions) and ``weak_p_adj``, ``reason`` (what fired, with the numbers)
+    and ``note`` (what could not be judged and why). Outcomes missing from the frame are skipped.
     """
     if restrictive_margin < 0 or not 0.0 < weak_share <= 1.0:
         raise ValueError(
             f"restrictive_margin={restrictive_margin}, weak_share={weak_share}: expected a margin >= 0 "
             "and a share in (0, 1]"
         )
+    adjust_pvalues(np.array([]), adjust)  # names the bad value before any work
     restrictive = [o for o in restrictive_outcomes if o in df.columns]
     weak = [o for o in weak_outcomes if o in df.columns]
     keys = arm_keys(df, by)
@@ -91,32 +105,54 @@ def flag_policies(
         check_frame(df, outcome, keys)
     needed = resolve_min_seeds(min_seeds, level)
     judge = _Judge(level, reps, seed, method, needed)
+    alpha = 1.0 - level
     rows = []
     for prefix, part in contexts(df, keys):
         arms = {outcome: arm_values(part, outcome) for outcome in (*restrictive, *weak)}
+        judged = []
         for policy, budget in part[["policy", "budget"]].drop_duplicates().itertuples(index=False):
             if policy == "none":
                 continue
             row: dict[str, Any] = {**prefix, "policy": policy, "budget": float(budget)}
-            fired, notes = [], []
-            n_seeds = 0
-            for outcome in restrictive:
-                verdict = judge.restrictive(arms[outcome], policy, budget, outcome, restrictive_margin, prefix)
-                row[f"{outcome}_vs_none"], row[f"{outcome}_vs_none_high"] = verdict["mean"], verdict["high"]
-                n_seeds = max(n_seeds, verdict["n"])
-                fired += [verdict["reason"]] if verdict["fired"] else []
-                notes += [verdict["note"]] if verdict["note"] else []
-            row["too_restrictive"] = bool(fired)
+            restrictive_verdicts = [
+                judge.restrictive(arms[outcome], policy, budget, outcome, restrictive_margin, prefix)
+                for outcome in restrictive
+            ]
             weak_verdicts = [] if policy == "full" else [
                 judge.weak(arms[outcome], policy, budget, outcome, weak_share, prefix) for outcome in weak
             ]
+            for outcome, verdict in zip(restrictive, restrictive_verdicts):
+                row[f"{outcome}_vs_none"], row[f"{outcome}_vs_none_high"] = verdict["mean"], verdict["high"]
             for outcome, verdict in zip(weak, weak_verdicts):
                 row[f"{outcome}_share"], row[f"{outcome}_share_high"] = verdict["share"], verdict["high"]
+            row["n_seeds"] = max((v["n"] for v in restrictive_verdicts), default=0)
+            # Too weak is an intersection-union question: every outcome must show it, so the
+            # arm's p is the largest of its outcomes' (NaN when any could not be judged).
+            weak_p = [v["p"] for v in weak_verdicts]
+            weak_arm_p = max(weak_p) if weak_p and all(np.isfinite(weak_p)) else math.nan
+            judged.append((row, restrictive_verdicts, weak_verdicts, weak_arm_p))
+        restrictive_adj = iter(adjust_pvalues(
+            np.array([v["p"] for _, verdicts, _, _ in judged for v in verdicts]), adjust))
+        weak_adj = iter(adjust_pvalues(np.array([p for *_, p in judged]), adjust))
+        for row, restrictive_verdicts, weak_verdicts, weak_arm_p in judged:
+            fired, notes = [], []
+            arm_adj = []
+            for verdict in restrictive_verdicts:
+                p_adj = next(restrictive_adj)
+                arm_adj.append(p_adj)
+                if verdict["candidate"] and p_adj < alpha:
+                    fired.append(f"{verdict['reason']}, p_adj {p_adj:.2g}")
                 notes += [verdict["note"]] if verdict["note"] else []
-            row["too_weak"] = bool(weak_verdicts) and all(v["fired"] for v in weak_verdicts)
+            row["too_restrictive"] = bool(fired)
+            row["restrictive_p_adj"] = min((p for p in arm_adj if np.isfinite(p)), default=math.nan)
+            weak_p_adj = next(weak_adj)
+            row["weak_p_adj"] = weak_p_adj
+            for verdict in weak_verdicts:
+                notes += [verdict["note"]] if verdict["note"] else []
+            row["too_weak"] = (bool(weak_verdicts) and all(v["candidate"] for v in weak_verdicts)
+                               and weak_p_adj < alpha)
             if row["too_weak"]:
-                fired += [v["reason"] for v in weak_verdicts]
-            row["n_seeds"] = n_seeds
+                fired += [f"{v['reason']}, p_adj {weak_p_adj:.2g}" for v in weak_verdicts]
             row["reason"] = "; ".join(fired)
             row["note"] = "; ".join(dict.fromkeys(notes))
             rows.append(row)
@@ -126,11 +162,14 @@ def flag_policies(
     first = [*keys, "policy", "budget", "too_restrictive", "too_weak", "n_seeds"]
     table = table[first + [c for c in table.columns if c not in first]]
     table = table.iloc[canonical_order(table, keys)].set_index([*keys, "policy", "budget"])
-    table.attrs.update(level=level, min_seeds=needed, restrictive_margin=restrictive_margin, weak_share=weak_share)
+    table.attrs.update(level=level, min_seeds=needed, restrictive_margin=restrictive_margin, weak_share=weak_share,
+                       adjust=adjust)
     return table
 
 
 class _Judge:
+    """One question each: the interval's verdict (``candidate``) and the raw sign-flip ``p``."""
+
     def __init__(self, level: float, reps: int, seed: int, method: CiMethod, needed: int) -> None:
         self.level, self.reps, self.seed, self.method, self.needed = level, reps, seed, method, needed
 
@@ -139,7 +178,8 @@ class _Judge:
         treated, control = arm_seeds(arms, policy, budget), arm_seeds(arms, "none", None)
         shared = sorted(treated.keys() & control.keys(), key=str)
         n = len(shared)
-        verdict = {"n": n, "mean": math.nan, "high": math.nan, "fired": False, "reason": "", "note": ""}
+        verdict = {"n": n, "mean": math.nan, "high": math.nan, "p": math.nan, "candidate": False,
+                   "reason": "", "note": ""}
         if not control:
             verdict["note"] = "not judged: no none in this context"
             return verdict
@@ -154,9 +194,11 @@ class _Judge:
         low, high = paired_bootstrap_ci(a, b, level=self.level, reps=self.reps, rng=rng, method=self.method)
         verdict["high"] = high
         threshold = -margin * abs(float(b.mean()))
-        p = sign_flip_pvalue(a - b - threshold, rng=rng)
-        if high < threshold and p < 1.0 - self.level:
-            verdict["fired"] = True
+        shifted = a - b - threshold
+        # One-sided question (a drop): a rise gets p = 1, so it never uses up the family's level.
+        verdict["p"] = sign_flip_pvalue(shifted, rng=rng) if shifted.mean() < 0 else 1.0
+        if high < threshold:
+            verdict["candidate"] = True
             verdict["reason"] = (f"too restrictive: {outcome} below none's by {verdict['mean']:+.3g} "
                                  f"[{low:.3g}, {high:.3g}]")
         return verdict
@@ -165,7 +207,7 @@ class _Judge:
              prefix: dict[str, Any]) -> dict[str, Any]:
         treated, none, full = arm_seeds(arms, policy, budget), arm_seeds(arms, "none", None), arm_seeds(arms, "full", None)
         shared = sorted(treated.keys() & none.keys() & full.keys(), key=str)
-        verdict = {"share": math.nan, "high": math.nan, "fired": False, "reason": "", "note": ""}
+        verdict = {"share": math.nan, "high": math.nan, "p": math.nan, "candidate": False, "reason": "", "note": ""}
         if not none or not full:
             verdict["note"] = "too weak not judged: needs none and full in this context"
             return verdict
@@ -183,9 +225,9 @@ class _Judge:
                                              rng=rng, method=self.method)
         verdict.update(share=share, high=high)
         margin = reduction - weak_share * full_reduction  # share < weak_share <=> mean(margin) < 0
-        p = sign_flip_pvalue(margin, rng=rng)
-        if high < weak_share and margin.mean() < 0 and p < 1.0 - self.level:
-            verdict["fired"] = True
+        verdict["p"] = sign_flip_pvalue(margin, rng=rng) if margin.mean() < 0 else 1.0
+        if high < weak_share:
+            verdict["candidate"] = True
             verdict["reason"] = (f"too weak: {share:.1%} [{low:.1%}, {high:.1%}] of full's {outcome} "
                                  f"reduction (< {weak_share:.0%})")
         return verdict

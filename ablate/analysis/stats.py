@@ -19,6 +19,7 @@ without it (see :mod:`ablate.analysis.extras`).
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Callable, Literal
 
 import numpy as np
@@ -173,7 +174,9 @@ def ratio_of_means_ci(
 
     Used for shares such as "the part of full replay's mismatch reduction a policy achieves":
     a ratio of means is stable where per-seed ratios are not (a seed whose denominator is near
-    0 would dominate a mean of ratios). Resamples whose denominator mean is 0 are dropped.
+    0 would dominate a mean of ratios). Resamples whose denominator mean is 0 have no ratio: they
+    are dropped and the percentile interval is taken over the rest (also for ``method="BCa"``,
+    whose correction is undefined then).
     Returns ``(ratio, low, high)``; the interval is ``(nan, nan)`` below two seeds.
     """
     num, den = _paired(numerator, denominator)
@@ -191,11 +194,22 @@ def ratio_of_means_ci(
         with np.errstate(divide="ignore", invalid="ignore"):
             return n.mean(axis=axis) / d.mean(axis=axis)
 
-    result = stats.bootstrap(
-        (num, den), statistic, n_resamples=reps, confidence_level=level, method=method,
-        vectorized=True, paired=True, axis=0, rng=rng,
-    )
+    with warnings.catch_warnings():
+        # A resample whose denominators all drew the same zero-mean seeds has no ratio; scipy
+        # then warns and returns a NaN interval. Those resamples are dropped below instead.
+        warnings.simplefilter("ignore", category=RuntimeWarning)
+        warnings.simplefilter("ignore", category=getattr(stats, "DegenerateDataWarning", RuntimeWarning))
+        result = stats.bootstrap(
+            (num, den), statistic, n_resamples=reps, confidence_level=level, method=method,
+            vectorized=True, paired=True, axis=0, rng=rng,
+        )
     low, high = result.confidence_interval
+    if not (math.isfinite(low) and math.isfinite(high)):
+        ratios = np.asarray(result.bootstrap_distribution, dtype=float)
+        ratios = ratios[np.isfinite(ratios)]
+        if ratios.size < 2:
+            return ratio, math.nan, math.nan
+        low, high = np.quantile(ratios, [(1.0 - level) / 2.0, (1.0 + level) / 2.0])
     return ratio, float(low), float(high)
 
 
