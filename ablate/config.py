@@ -197,8 +197,8 @@ class SyntheticConfig(BackendConfig):
     #: algorithm.rollout_correction.bypass_mode: false = ratio against old log-probs recomputed
     #: by the trainer (verl's default); true = against the rollout log-probs.
     bypass_mode: bool = False
-    #: The mismatch policy takes its ratio against the native pass it selects from, as the verl
-    #: backend does, instead of against an old-log-prob pass that replays its mask.
+    #: The mismatch policy takes its ratio against the native pass it selects from (the verl
+    #: backend did so at first), instead of against an old-log-prob pass that replays its mask.
     mismatch_native_old_pass: bool = False
     rollout_is: Optional[RolloutIS] = None  # algorithm.rollout_correction.rollout_is
     rollout_is_threshold: float = 2.0  # algorithm.rollout_correction.rollout_is_threshold

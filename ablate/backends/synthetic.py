@@ -18,7 +18,7 @@ It reproduces the mechanisms that make routing replay matter, not the numbers of
    sampled tokens with the replay mask (verl's R3 replays in that pass too), for every policy:
    ``mismatch``, which chooses its mask from native routes, gets them from one more pass
    (``mismatch_native_old_pass=true`` instead takes its ratio against that native pass, as the
-   verl backend does). Replayed routes use the rollout expert set with gates from the training
+   verl backend did). Replayed routes use the rollout expert set with gates from the training
    router's logits renormalised over that set (R3); other routes are native. The loss is verl's
    vanilla PPO loss (dual clip, token mean) with GRPO advantages, the ratio taken against the
    old log-probs (``bypass_mode=false``, verl's default) or the rollout log-probs (``true``),
@@ -418,8 +418,8 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
 
         # The old-log-prob pass, in training numerics, replays the mask (verl's R3 does), so
         # every policy takes its ratio against the same kind of reference. `mismatch` chooses
-        # its mask from native routes: it pays one native pass first, or (as the verl backend
-        # does) takes its ratio against that native pass.
+        # its mask from native routes: it pays one native pass first (as the verl backend does),
+        # or, with mismatch_native_old_pass, takes its ratio against that native pass.
         with torch.no_grad():
             native_pass = model(inputs) if needs_native else None
             routes = Routes(rollout=flat_rollout, valid=valid, num_experts=cfg.experts, offsets=offsets,

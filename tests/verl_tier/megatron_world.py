@@ -14,8 +14,8 @@ through ``transformer_impl``'s namespace (where the hook sits), the forward, and
 forward gives them. What Megatron itself cannot do on a CPU is shimmed in :func:`cpu_shims`
 and nowhere else; pipeline stages hand activations over with plain broadcasts.
 
-``run(...)`` returns, per step and pass, the experts every router used for every (token, layer)
-and the hook's metrics, gathered on rank 0.
+``run(...)`` saves, per step, call and pass, the experts every router used for every (token,
+layer) and the model's output per token, and the step's metrics, gathered on rank 0.
 """
 
 from __future__ import annotations
@@ -275,13 +275,20 @@ def handover(layout: Layout, tensor: torch.Tensor, owner_pp: int) -> torch.Tenso
     return shared
 
 
-def run_call(layout: Layout, config, chunks, batches: list[dict], capture: Capture, *, forward_only: bool,
-             last_update: bool) -> dict[str, float] | None:
-    """One ``forward_backward_batch`` call of verl's Megatron engine with R3, through the hook.
+def run_call(layout: Layout, config, chunks, batches: list[dict], *, forward_only: bool,
+             last_update: bool) -> tuple[list[dict], int, dict[str, float] | None]:
+    """One ``forward_backward_batch`` call of verl's Megatron engine with R3, through the hook's wrapper.
 
-    The hook's ``begin_call``/``end_call`` frame it as its ``forward_backward_batch`` wrapper
-    does, with the call described from verl's own batch TensorDict by ``patch.call_info``.
+    The call is described by verl's own batch TensorDict and goes through ``patch.hooked_call``,
+    as verl's engine method does once the hook is installed; the micro-batch loop stands in for
+    Megatron's schedule. Returns every pass the call ran (``mismatch``'s old-log-prob call runs a
+    native pass first), each with the experts every router used and the model's output per token
+    (a scalar of the last hidden state: what log-probs are computed from), gathered over ranks;
+    the index of the pass whose output verl got back; and the step's metrics (None but at the
+    step's last update call).
     """
+    from types import SimpleNamespace
+
     from megatron.core import parallel_state as mpu
     from tensordict import TensorDict
 
@@ -304,53 +311,67 @@ def run_call(layout: Layout, config, chunks, batches: list[dict], capture: Captu
     tu.assign_non_tensor(data, enable_routing_replay=True)
     if not forward_only:
         tu.assign_non_tensor(data, update_lr_scheduler=last_update)
-    hook = patch.active_hook()
-    hook.begin_call(patch.call_info(config, data, forward_only))
-    RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
     pp_rank = mpu.get_pipeline_model_parallel_rank()
     stages = stage_order(layout)
-    for batch in batches:
-        rows = local_rows(batch["rows"])
-        capture.rows = rows
-        hidden = hidden_states(rows).unsqueeze(1)
-        kept = []
-        for pp, vp in stages:
-            if pp == pp_rank:
-                chunk = chunks[vp]
-                if RouterReplayHelper.is_replay_backward_action(config, vp, model=chunk):
-                    set_model_router_replay_action(chunk, RouterReplayAction.REPLAY_FORWARD)
-                if RouterReplayHelper.is_replay_forward_action(config, vp, model=chunk):
-                    routes = align_r3_router_replay_data(batch["routed_experts"], batch["input_ids"])
-                    mask = build_r3_replay_mask(batch["input_ids"], batch["response_mask"])
-                    transformer_impl.set_router_replay_data(routes, None, config, vp, replay_mask=mask, model=chunk)
-                inputs = hidden.detach().requires_grad_(not forward_only)
-                with torch.set_grad_enabled(not forward_only):
-                    hidden = chunk(inputs, attention_mask=None)
-                kept.append((inputs, hidden))
-                set_model_router_replay_action(chunk, RouterReplayAction.REPLAY_BACKWARD)
-            hidden = handover(layout, hidden, pp)
-        if forward_only:
-            continue
-        # loss = sum(output * weights): its gradient with respect to the last output is the weights.
-        grad = loss_weights(rows).unsqueeze(1)
-        for pp, _ in reversed(stages):
-            if pp == pp_rank:
-                inputs, output = kept.pop()
-                torch.autograd.backward(output, grad)
-                grad = inputs.grad
-            grad = handover(layout, grad, pp)
-    metrics = hook.end_call()
-    RouterReplay.clear_global_indices()
-    RouterReplay.clear_global_router_replay_action()
-    return metrics
+    passes = []
+
+    def forward_backward_batch(engine, data, loss_function, forward_only=False):
+        capture = Capture()
+        handles = [module.register_forward_hook(capture) for chunk in chunks for module in chunk.modules()
+                   if type(module).__name__ == "TopKRouter"]
+        outputs = {}
+        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        for batch in batches:
+            rows = local_rows(batch["rows"])
+            capture.rows = rows
+            hidden = hidden_states(rows).unsqueeze(1)
+            kept = []
+            for pp, vp in stages:
+                if pp == pp_rank:
+                    chunk = chunks[vp]
+                    if RouterReplayHelper.is_replay_backward_action(config, vp, model=chunk):
+                        set_model_router_replay_action(chunk, RouterReplayAction.REPLAY_FORWARD)
+                    if RouterReplayHelper.is_replay_forward_action(config, vp, model=chunk):
+                        routes = align_r3_router_replay_data(batch["routed_experts"], batch["input_ids"])
+                        mask = build_r3_replay_mask(batch["input_ids"], batch["response_mask"])
+                        transformer_impl.set_router_replay_data(routes, None, config, vp, replay_mask=mask, model=chunk)
+                    inputs = hidden.detach().requires_grad_(not forward_only)
+                    with torch.set_grad_enabled(not forward_only):
+                        hidden = chunk(inputs, attention_mask=None)
+                    kept.append((inputs, hidden))
+                    set_model_router_replay_action(chunk, RouterReplayAction.REPLAY_BACKWARD)
+                hidden = handover(layout, hidden, pp)
+            # loss = sum(output * weights): its gradient with respect to the last output is the weights.
+            grad = loss_weights(rows).unsqueeze(1)
+            per_token = (hidden.detach() * grad).sum((1, 2))
+            outputs.update((row, value) for row, value in zip(rows.tolist(), per_token.tolist()) if row > 0)
+            if forward_only:
+                continue
+            for pp, _ in reversed(stages):
+                if pp == pp_rank:
+                    inputs, output = kept.pop()
+                    torch.autograd.backward(output, grad)
+                    grad = inputs.grad
+                grad = handover(layout, grad, pp)
+        RouterReplay.clear_global_indices()
+        RouterReplay.clear_global_router_replay_action()
+        for handle in handles:
+            handle.remove()
+        passes.append({"used": gather_ranks(capture.used), "outputs": gather_ranks(outputs)})
+        return {"metrics": {}, "pass": len(passes) - 1}
+
+    output = patch.hooked_call(patch.active_hook(), forward_backward_batch, SimpleNamespace(tf_config=config), data,
+                               None, forward_only)
+    metrics = {key: values[0] for key, values in output["metrics"].items()} or None
+    return passes, output["pass"], metrics
 
 
-def gather_used(capture: Capture) -> list[dict[tuple[int, int], int]]:
-    """Every rank's captured routes, one dict per rank, on every rank."""
+def gather_ranks(mine: dict) -> list[dict]:
+    """Every rank's dict (routes used, outputs per token), one per rank, on every rank."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [capture.used]
+        return [mine]
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, capture.used)
+    dist.all_gather_object(gathered, mine)
     return gathered
 
 
@@ -379,16 +400,11 @@ def run(rank: int, layout: Layout, port: int, policies: list[tuple[str, float, d
         for _ in range(2):
             calls = [("log_prob", mine, True, False)]
             calls += [("update", [batch], False, index == len(mine) - 1) for index, batch in enumerate(mine)]
-            step = {"used": {}, "metrics": None}
+            step = {"calls": [], "metrics": None}
             for name, call_batches, forward_only, last in calls:
-                capture = Capture()
-                handles = [module.register_forward_hook(capture) for chunk in chunks for module in chunk.modules()
-                           if type(module).__name__ == "TopKRouter"]
-                metrics = run_call(layout, config, chunks, call_batches, capture, forward_only=forward_only,
-                                   last_update=last)
-                for handle in handles:
-                    handle.remove()
-                step["used"].setdefault(name, []).append(gather_used(capture))
+                passes, returned, metrics = run_call(layout, config, chunks, call_batches, forward_only=forward_only,
+                                                     last_update=last)
+                step["calls"].append({"name": name, "passes": passes, "returned": returned})
                 step["metrics"] = metrics or step["metrics"]
             steps.append(step)
         patch.uninstall()

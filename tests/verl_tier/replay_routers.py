@@ -73,8 +73,15 @@ def record(model, logits):
     return recorded
 
 
-def call(hook, config, routes, input_ids, *, forward_only, last_update=True):
-    """Frame a verl call as the hook's forward_backward_batch wrapper does, from a real TensorDict."""
+def through_hook(hook, config, routes, input_ids, forward, *, forward_only, last_update=True):
+    """One verl call through the hook's ``forward_backward_batch`` wrapper, from a real TensorDict.
+
+    ``forward()`` stands in for the engine's forward (and backward) and returns its output. Returns
+    the output verl gets back, the outputs of every pass the call ran (``mismatch``'s old-log-prob
+    call runs a native pass first), and the step's metrics (None but at the step's last update).
+    """
+    from types import SimpleNamespace
+
     from tensordict import TensorDict
 
     from ablate.backends.verl import patch
@@ -84,7 +91,16 @@ def call(hook, config, routes, input_ids, *, forward_only, last_update=True):
     tu.assign_non_tensor(data, enable_routing_replay=True)
     if not forward_only:
         tu.assign_non_tensor(data, update_lr_scheduler=last_update)
-    hook.begin_call(patch.call_info(config, data, forward_only))
+    passes = []
+
+    def forward_backward_batch(engine, data, loss_function, forward_only=False):
+        passes.append(forward())
+        return {"model_output": passes[-1], "metrics": {}}
+
+    engine = SimpleNamespace(tf_config=config)
+    output = patch.hooked_call(hook, forward_backward_batch, engine, data, None, forward_only)
+    metrics = {key: values[0] for key, values in output["metrics"].items()} or None
+    return output["model_output"], passes, metrics
 
 
 def replay(model, config, routes_nested, input_ids, response_mask, logits):

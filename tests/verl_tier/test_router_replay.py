@@ -19,13 +19,13 @@ from replay_routers import (  # noqa: E402
     TOPK,
     as_map,
     batch,
-    call,
     hook_installer,
     left_padded,
     native_of,
     record,
     replay,
     router_model,
+    through_hook,
 )
 
 pytestmark = pytest.mark.verl
@@ -64,21 +64,26 @@ def test_masked_routes_replay_recorded_and_unmasked_routes_stay_native(routers, 
     routes = torch.nested.nested_tensor_from_jagged(recorded.to(torch.int16), offsets=input_ids.offsets())
     hook = hooked(policy, budget, seed=3)
 
-    call(hook, config, routes, input_ids, forward_only=True)
-    maps, valid = replay(model, config, routes, input_ids, response_mask, replay_logits)
-    assert hook.end_call() is None  # the old-log-prob pass reports nothing
-    # mismatch routes its first pass natively: that pass records the native routes it selects on.
-    native = native_of(replay_logits) if policy == "mismatch" else None
-    first = torch.zeros(valid.shape[0], NUM_LAYERS, dtype=torch.bool) if native is not None else None
-    if first is None:
-        first = expected_mask(hook, recorded, valid, input_ids.offsets())
-    check_layer_by_layer(maps, recorded, replay_logits, first, valid)
+    def forward():
+        return replay(model, config, routes, input_ids, response_mask, replay_logits)
 
-    call(hook, config, routes, input_ids, forward_only=False)
-    maps, valid = replay(model, config, routes, input_ids, response_mask, replay_logits)
-    metrics = hook.end_call()
+    (maps, valid), passes, metrics = through_hook(hook, config, routes, input_ids, forward, forward_only=True)
+    assert metrics is None  # the old-log-prob pass reports nothing
+    native = native_of(replay_logits) if policy == "mismatch" else None
     mask = expected_mask(hook, recorded, valid, input_ids.offsets(), native=native)
+    if policy == "mismatch":
+        # mismatch selects on native routes: a first pass replays nothing and records them.
+        assert len(passes) == 2
+        check_layer_by_layer(passes[0][0], recorded, replay_logits, torch.zeros_like(mask), valid)
+    else:
+        assert len(passes) == 1
+    # The old log-probs verl gets come from a pass that replays the mask, for every policy.
     check_layer_by_layer(maps, recorded, replay_logits, mask, valid)
+
+    (update_maps, _), passes, metrics = through_hook(hook, config, routes, input_ids, forward, forward_only=False)
+    assert len(passes) == 1
+    # The update replays the same routes as the old-log-prob pass: the PPO ratio starts at 1.
+    assert torch.equal(update_maps, maps)
     if policy in ("random", "uniform", "fisher", "mismatch"):
         assert any(not torch.equal(mask[:, 0], mask[:, layer]) for layer in range(1, NUM_LAYERS)), "mask is per layer"
     if policy == "mismatch":
@@ -108,29 +113,32 @@ def test_fisher_scores_come_from_router_logit_gradients(routers, hooked):
     input_ids, response_mask = batch(lengths, response_lengths, generator)
     routes = torch.nested.nested_tensor_from_jagged(recorded.to(torch.int16), offsets=input_ids.offsets())
     hook = hooked("fisher", 0.25, seed=0, decay=0.5)
-
-    call(hook, config, routes, input_ids, forward_only=False)
     train_logits = logits.clone().requires_grad_(True)
-    set_model_router_replay_action(model, RouterReplayAction.REPLAY_FORWARD)
-    mask = ti.build_r3_replay_mask(input_ids, response_mask)
-    ti.set_router_replay_data(align_r3_router_replay_data(routes, input_ids), None, config, 0, replay_mask=mask, model=model)
     weights = torch.randn(tokens, NUM_EXPERTS, generator=generator)
-    loss = sum((r.routing(train_logits[i][:, None, :])[0] * weights).sum() for i, r in enumerate(model.decoder))
-    loss.backward()
-    for router in model.decoder:
-        router.router_replay.clear_indices()
-        router.router_replay.clear_router_replay_action()
-    assert not hook.tracker.has_estimate
-    metrics = hook.end_call()  # the step's last update call closes the Fisher step
+
+    def forward_backward():
+        set_model_router_replay_action(model, RouterReplayAction.REPLAY_FORWARD)
+        mask = ti.build_r3_replay_mask(input_ids, response_mask)
+        ti.set_router_replay_data(align_r3_router_replay_data(routes, input_ids), None, config, 0, replay_mask=mask,
+                                  model=model)
+        loss = sum((r.routing(train_logits[i][:, None, :])[0] * weights).sum() for i, r in enumerate(model.decoder))
+        loss.backward()
+        for router in model.decoder:
+            router.router_replay.clear_indices()
+            router.router_replay.clear_router_replay_action()
+        assert not hook.tracker.has_estimate
+        return mask
+
+    mask, _, metrics = through_hook(hook, config, routes, input_ids, forward_backward, forward_only=False)
+    # The step's last update call closed the Fisher step.
     assert metrics["replay/fisher_fallback"] == 1.0
     assert hook.tracker.has_estimate
     rows = mask.values()
     expected = train_logits.grad.square()[:, rows].sum(1) / rows.sum()
     assert torch.allclose(hook.tracker.estimate(), expected.float(), rtol=1e-5, atol=1e-8)
 
-    call(hook, config, routes, input_ids, forward_only=False)
-    replay(model, config, routes, input_ids, response_mask, logits)
-    metrics = hook.end_call()
+    _, _, metrics = through_hook(hook, config, routes, input_ids,
+                                 lambda: replay(model, config, routes, input_ids, response_mask, logits), forward_only=False)
     assert metrics["replay/fisher_fallback"] == 0.0
     fisher_mask = expected_mask(hook, recorded, rows, input_ids.offsets())
     # The estimate ranks the routes: the selection holds more Fisher mass than its share of routes.
@@ -161,9 +169,11 @@ def test_left_padded_batch_through_verl_thd_path(routers, hooked):
     data = left_right_2_no_padding(data)
     logits = torch.randn(NUM_LAYERS, int(attention_mask.sum()), NUM_EXPERTS, generator=generator)
     hook = hooked("random", 0.5, seed=11)
-    call(hook, config, data["routed_experts"], data["input_ids"], forward_only=True)
-    maps, valid = replay(model, config, data["routed_experts"], data["input_ids"], data["response_mask"], logits)
-    hook.end_call()
+    (maps, valid), _, _ = through_hook(
+        hook, config, data["routed_experts"], data["input_ids"],
+        lambda: replay(model, config, data["routed_experts"], data["input_ids"], data["response_mask"], logits),
+        forward_only=True,
+    )
 
     recorded = routed[attention_mask.bool()]  # left padding removed, batch order: verl's packed rows
     mask = expected_mask(hook, recorded, valid, data["input_ids"].offsets())
@@ -191,9 +201,10 @@ def test_batches_plain_r3_accepts_are_accepted(routers, hooked):
     routes = torch.nested.as_nested_tensor(parts, layout=torch.jagged)
     hook = hooked("random", 0.5, seed=4)
 
-    call(hook, config, routes, input_ids, forward_only=False)
-    maps, r3_valid = replay(model, config, routes, input_ids, response_mask, logits)
-    metrics = hook.end_call()
+    (maps, r3_valid), _, metrics = through_hook(
+        hook, config, routes, input_ids, lambda: replay(model, config, routes, input_ids, response_mask, logits),
+        forward_only=False,
+    )
     gap = torch.zeros(sum(lengths), dtype=torch.bool)
     gap[3:6] = True
     valid = r3_valid & ~gap

@@ -48,8 +48,8 @@ def default_config_dir() -> Path:
 
 #: verl metric -> schema key, where the two mean the same thing. verl's rollout_corr helper takes
 #: l = old_log_prob - rollout_log_prob over response tokens: ``kl`` is mean(-l) (our k1) and
-#: ``k3_kl`` is mean(exp(l) - 1 - l) (our k3). The old-log-prob pass replays the cell's mask (all
-#: policies but ``mismatch``, which needs that pass's native routes), so they measure the
+#: ``k3_kl`` is mean(exp(l) - 1 - l) (our k3). The old-log-prob pass replays the cell's mask (for
+#: every policy: ``mismatch`` takes its native routes from a pass of its own), so they measure the
 #: mismatch left after replay.
 VERL_KEYS = {
     "rollout_corr/kl": "mismatch/kl_k1",

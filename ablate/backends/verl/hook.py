@@ -6,10 +6,13 @@ runs micro-batches, and each micro-batch reaches the hook once per model chunk o
 micro-batch order. The hook:
 
 - selects a mask for each micro-batch (:mod:`.selection`) and hands it to verl's own packing
-  (:mod:`.patch`);
+  (:mod:`.patch`); the old-log-prob pass and every update pass replay the same mask, so the PPO
+  ratio starts at 1 for every policy;
 - writes the native routes its routers computed into one buffer per call, assembled over the
-  model-parallel ranks at the end of the call (:mod:`.counters`); ``mismatch`` keeps the
-  old-log-prob pass's native routes, per sequence, for the step's update passes;
+  model-parallel ranks at the end of the call (:mod:`.counters`). ``mismatch`` selects on native
+  routes: the step's old-log-prob call first runs one more forward that replays nothing (a
+  *native pass*, whose output verl never sees), and keeps its native routes, per sequence, for
+  the replayed old-log-prob pass and the update passes;
 - counts each micro-batch on one rank of its model-parallel group, pools the counts over the
   step's update calls and, at the step's last update call, sums them over the world and returns
   the step's ``replay/`` and ``routing/`` keys (:mod:`.metrics`); the Fisher estimate closes its
@@ -31,7 +34,7 @@ from ablate.backends.verl.patch import CallInfo, augment_routes, split_augmented
 from ablate.backends.verl.selection import MicroBatchSelection, select_micro_batch, sequence_keys
 from ablate.budget import check_budget
 from ablate.diagnostics.metrics import ROUTE_COUNTS
-from ablate.policies import PolicySpec
+from ablate.policies import PolicySpec, get_policy
 
 #: Sums pooled over a step and the world: the shared route counts and the fallback flag.
 STEP_COUNTS = (*ROUTE_COUNTS, "fisher_fallback")
@@ -72,6 +75,8 @@ class _Call:
     info: CallInfo
     #: ``[tokens, route layers, topk]`` native expert id + 1 written by this rank's routers (0: not here).
     native: Tensor
+    #: a forward that replays nothing, run only to record native routes (``mismatch``).
+    native_pass: bool = False
     starts: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
     #: micro-batches seen so far by each model chunk (virtual pipeline rank) of this rank.
@@ -109,6 +114,7 @@ class ReplayMaskHook:
         self.mismatch = settings.policy.name == "mismatch"
         self.budget = check_budget(settings.budget, settings.policy.name)
         self.policy = self.tracker = None
+        self._no_replay = get_policy("none")
         self._call: _Call | None = None
         self._native_routes: dict[bytes, Tensor] = {}
         self._reset_step()
@@ -117,15 +123,26 @@ class ReplayMaskHook:
         self.step_counts = dict.fromkeys(STEP_COUNTS, 0.0)
         self._fisher_sums = self._fisher_counts = self._fisher_skipped = None
         self._native_routes.clear()
+        self._native_pass_done = False
 
     # ------------------------------------------------------------------------------ calls
-    def begin_call(self, info: CallInfo) -> None:
+    def needs_native_pass(self, info: CallInfo) -> bool:
+        """Whether ``mismatch`` must record native routes before this call replays its mask.
+
+        The step's first forward-only call is its old-log-prob pass. A later one in the same step
+        (verl computes the reference log-probs in the actor when it trains a LoRA adapter) replays
+        the masks already chosen. The flag is the same on every rank, so every rank runs the same
+        passes and collectives.
+        """
+        return self.mismatch and info.forward_only and not self._native_pass_done
+
+    def begin_call(self, info: CallInfo, *, native_pass: bool = False) -> None:
         if self.policy is None:
             self.policy, self.tracker = self.settings.policy.build(len(info.moe_columns), info.num_experts)
             self._topk = info.topk
         native = torch.zeros(info.num_tokens, info.route_layers, info.topk, dtype=torch.int16,
                              device=counters.collective_device())
-        self._call = _Call(info=info, native=native)
+        self._call = _Call(info=info, native=native, native_pass=native_pass)
 
     def abort_call(self) -> None:
         self._call = None
@@ -135,9 +152,11 @@ class ReplayMaskHook:
         call, self._call = self._call, None
         if call is None:
             return None
+        if call.native_pass:
+            self._keep_native_routes(call, counters.assemble_over_model_parallel(call.native))
+            self._native_pass_done = True
+            return None
         if call.info.forward_only:
-            if self.mismatch:
-                self._keep_native_routes(call, counters.assemble_over_model_parallel(call.native))
             return None
         native = counters.assemble_over_model_parallel(call.native)
         columns = call.info.moe_columns
@@ -169,7 +188,7 @@ class ReplayMaskHook:
         index = call.micro_batch(vp_rank or 0, rows)
         selection = call.selections.get(index)
         if selection is None:
-            selection = call.selections[index] = self._select(call.info, rollout, replay_mask.values(), offsets)
+            selection = call.selections[index] = self._select(call, rollout, replay_mask.values(), offsets)
         routers = list(iter_model_routers(model))
         self._tag_routers(call.info, routers)
         if counters.counting_rank([number for number, _ in routers], call.info.first_moe_layer):
@@ -208,9 +227,14 @@ class ReplayMaskHook:
         self._fisher_skipped[layer] += (~finite).sum(0)
 
     # -------------------------------------------------------------------------- internals
-    def _select(self, info: CallInfo, rollout: Tensor, r3_mask: Tensor, offsets: Tensor) -> MicroBatchSelection:
+    def _select(self, call: _Call, rollout: Tensor, r3_mask: Tensor, offsets: Tensor) -> MicroBatchSelection:
+        """The micro-batch's selection; a native pass selects nothing but still keys its sequences."""
+        info = call.info
         columns = info.moe_columns
         routes = rollout if len(columns) == rollout.shape[1] else rollout[:, columns]
+        if call.native_pass:
+            return select_micro_batch(self._no_replay, 0.0, self.settings.seed, routes, r3_mask, offsets,
+                                      info.num_experts)
         keys = sequence_keys(routes[:, 0], offsets)
         native = has_native = None
         if self.mismatch:
@@ -235,7 +259,7 @@ class ReplayMaskHook:
             self.step_counts[key] += value
 
     def _keep_native_routes(self, call: _Call, native: Tensor) -> None:
-        """Keep each sequence's native routes of the old-log-prob pass for the update passes."""
+        """Keep each sequence's native routes of the native pass for the step's replayed passes."""
         columns = call.info.moe_columns
         for index, selection in call.selections.items():
             part = native[call.rows_of(index)][:, columns]
@@ -244,7 +268,7 @@ class ReplayMaskHook:
                 self._native_routes[key] = part[start:end] - 1
 
     def _stitch_native_routes(self, routes: Tensor, offsets: Tensor, keys: list[bytes]) -> tuple[Tensor, Tensor]:
-        """Native routes of a micro-batch from the old-log-prob pass, and which tokens have them."""
+        """Native routes of a micro-batch from the step's native pass, and which tokens have them."""
         native = torch.zeros(routes.shape, dtype=torch.int16, device=routes.device)
         known = torch.zeros(routes.shape[0], dtype=torch.bool, device=routes.device)
         bounds = offsets.tolist()

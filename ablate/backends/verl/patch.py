@@ -15,7 +15,8 @@ number. The routers apply ``torch.where(mask, replayed, native)`` in
   replay to the hook.
 - ``TopKRouter.routing``: registers a gradient hook on the router logits, whose per-token
   squares feed the Fisher estimate.
-- ``MegatronEngine.forward_backward_batch``: one hook call per verl call, and the step's
+- ``MegatronEngine.forward_backward_batch``: one hook call per verl call (for ``mismatch``, the
+  old-log-prob call first runs one more forward that records native routes), and the step's
   metrics added to the last update call's output.
 
 verl imports ``actor_rollout_ref.model.external_lib`` in every process that builds its model
@@ -220,6 +221,15 @@ def wrap_routers(hook):
 def hooked_call(hook, forward_backward_batch, engine, data, loss_function, forward_only: bool):
     """``MegatronEngine.forward_backward_batch`` as one hook call, the step's keys in its output.
 
+    For ``mismatch``, the step's old-log-prob call runs verl's forward twice: first a native pass
+    that replays nothing and records the native routes ``mismatch`` selects on (its output is
+    dropped), then the pass whose output verl gets, which replays the mask like every update pass,
+    so the PPO ratio starts at 1 as for every other policy. Running ``forward_backward_batch``
+    twice is safe in verl 0.9.1: it only adds idempotent keys to ``data``, builds its micro-
+    batches, iterators and pipeline schedule anew in each call, and clears verl's router-replay
+    state at the end of each. Every rank runs both passes (:meth:`needs_native_pass` agrees on
+    all), so their collectives match.
+
     The keys go into the output's ``metrics`` as one value each: verl gathers them over data-
     parallel ranks (equal values) and averages each key over the values it received, so the
     trainer logs them unchanged. Only the last pipeline stage returns metrics; the others only
@@ -228,16 +238,23 @@ def hooked_call(hook, forward_backward_batch, engine, data, loss_function, forwa
     info = call_info(engine.tf_config, data, forward_only)
     if info is None:
         return forward_backward_batch(engine, data, loss_function, forward_only=forward_only)
-    hook.begin_call(info)
-    try:
-        output = forward_backward_batch(engine, data, loss_function, forward_only=forward_only)
-    except BaseException:
-        hook.abort_call()
-        raise
-    metrics = hook.end_call()
+    if hook.needs_native_pass(info):
+        _framed(hook, info, forward_backward_batch, engine, data, loss_function, native_pass=True)
+    output, metrics = _framed(hook, info, forward_backward_batch, engine, data, loss_function, native_pass=False)
     if metrics and isinstance(output, dict) and "metrics" in output:
         output["metrics"].update({key: [value] for key, value in metrics.items()})
     return output
+
+
+def _framed(hook, info: CallInfo, forward_backward_batch, engine, data, loss_function, *, native_pass: bool):
+    """One run of verl's ``forward_backward_batch`` between the hook's begin and end of a call."""
+    hook.begin_call(info, native_pass=native_pass)
+    try:
+        output = forward_backward_batch(engine, data, loss_function, forward_only=info.forward_only)
+    except BaseException:
+        hook.abort_call()
+        raise
+    return output, hook.end_call()
 
 
 def uninstall() -> None:
