@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -38,7 +39,6 @@ class Cell:
     budget: float
     seed: int
     sweep: str
-    device: str
     cell_id: str
     name: str
     trial: int | None = None
@@ -70,13 +70,21 @@ class Cell:
         )
 
 
-def cell_name(policy: str, budget: float, seed: int, trial: int | None = None) -> str:
+def cell_name(policy: str, budget: float, seed: int, trial: int | None = None, variant: str = "") -> str:
     """``fisher-b0.25-s3``; ``none-s3`` and ``full-s3`` carry no budget, they have only one.
 
-    Trials of an Optuna study get ``-t<number>``: they share policy, budget and seed.
+    A settings variant joins the policy (``fisher+tau=1.0-b0.25-s3``), so that two arms of one
+    policy never share a name in W&B or the store (``+``, not the analysis' ``fisher[tau=1.0]``:
+    brackets are glob characters in a shell and in ``Path.glob``). Trials of an Optuna study get ``-t<number>``:
+    they share policy, budget and seed.
     """
-    name = f"{policy}-s{seed}" if policy in FIXED_BUDGETS else f"{policy}-b{budget:g}-s{seed}"
+    arm = f"{policy}+{UNSAFE_IN_NAME.sub('_', variant)}" if variant else policy
+    name = f"{arm}-s{seed}" if policy in FIXED_BUDGETS else f"{arm}-b{budget:g}-s{seed}"
     return name if trial is None else f"{name}-t{trial}"
+
+
+#: What a cell name (a directory of the run store) may not hold: separators, spaces, quotes.
+UNSAFE_IN_NAME = re.compile(r"[^A-Za-z0-9._=,+-]")
 
 
 def resolved_budget(cfg: DictConfig) -> float:
@@ -109,12 +117,12 @@ def cell_from_config(cfg: DictConfig) -> Cell:
     identity = {k: v for k, v in resolved.items() if k not in NOT_IDENTITY}
     cell_id = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
     backend, fisher = app.backend, app.policy.fisher
+    variant = variant_of(name, settings, policy_cfg.get("fisher", {}))
     assert isinstance(backend, BackendConfig) and isinstance(fisher, FisherEstimateConfig)
     return Cell(
         backend=backend, policy=name, policy_settings=settings, fisher=fisher, budget=budget, seed=int(cfg.seed),
-        sweep=str(cfg.sweep), device=str(cfg.device), cell_id=cell_id,
-        name=cell_name(name, budget, int(cfg.seed), cfg.get("trial")), trial=cfg.get("trial"),
-        variant=variant_of(name, settings, policy_cfg.get("fisher", {})),
+        sweep=str(cfg.sweep), cell_id=cell_id, trial=cfg.get("trial"), variant=variant,
+        name=cell_name(name, budget, int(cfg.seed), cfg.get("trial"), variant),
     )
 
 

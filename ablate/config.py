@@ -333,7 +333,6 @@ class AppConfig:
     #: Outcome returned to Hydra sweepers (see ablate.analysis.outcomes): a summary key, or a list
     #: of keys for a multi-objective study. ``Any``: OmegaConf 2.3 has no Union[str, list[str]].
     objective: Any = "final_reward"
-    device: str = "cpu"
     #: Optuna trial number when the cell is a trial of a study.
     trial: Optional[int] = None
 
@@ -348,7 +347,10 @@ class AppConfig:
         require(bool(self.store_dir), "store_dir", self.store_dir, "a directory for the run store")
         check_sweep_name(self.sweep)
         check_objective(self.objective)
-        check_device(self.device)
+        if self.backend.name == "verl":  # the verl hook measures router-logit gradients only
+            estimator = choice_value(self.policy.fisher.estimator)
+            require(estimator == "router_logits", "policy.fisher.estimator", estimator,
+                    "router_logits with backend=verl (its hook measures router-logit gradients only)")
 
 
 #: A sweep name is one directory of the run store and a W&B group: one path component that can
@@ -378,24 +380,6 @@ def check_objective(objective: Any) -> None:
     require(ok, "objective", objective,
             f"a summary key or a list of them: an outcome ({', '.join(known[:known.index('steps')])}), "
             "steps, or a diagnostics key such as mismatch/kl_k3")
-
-
-def check_device(device: str) -> None:
-    """A device torch can name and this machine has (``cpu``, ``cuda``, ``cuda:1``, ``mps``)."""
-    import torch
-
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError):
-        require(False, "device", device, "a torch device such as cpu, cuda or cuda:1")
-    if parsed.type == "cuda":
-        count = torch.cuda.device_count()
-        require(count > 0 and (parsed.index or 0) < count, "device", device,
-                f"a CUDA device this machine has ({count} visible)")
-    elif parsed.type == "mps":
-        require(torch.backends.mps.is_available(), "device", device, "mps on a machine that has it")
-    else:
-        require(parsed.type == "cpu", "device", device, "cpu, cuda[:index] or mps")
 
 
 def register_configs() -> None:

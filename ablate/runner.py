@@ -9,9 +9,9 @@ the steps it logged, and the next run of the same command runs it again.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
+import secrets
 import os
 import sys
 import time
@@ -22,7 +22,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ablate.analysis.outcomes import cell_outcomes
-from ablate.backends import backend_runner
+from ablate.backends import backend_preflight, backend_runner
 from ablate.cell import Cell, ConfigError, cell_from_config, resolved_config
 from ablate.config import choice_value
 from ablate.diagnostics import validate_record
@@ -61,12 +61,13 @@ def cell_directory(cfg: DictConfig, cell: Cell) -> Path:
     return sweep_dir(cfg.store_dir, cell.sweep) / cell.dirname
 
 
-def wandb_run_id(directory: Path, cell: Cell) -> str:
-    """The cell's one W&B run id: kept from an earlier attempt, else derived from the cell.
+def wandb_run_id(directory: Path) -> str:
+    """The cell's one W&B run id: kept from an earlier attempt, else drawn at random.
 
-    Derived from the cell's place in the store and its identity, so two stores (or sweeps) holding
-    the same cell never share a W&B run; kept in ``cell.json``, so every attempt of a cell, on any
-    host, logs to the same run.
+    Drawn, not derived from the cell: a derived id repeats wherever the same cell is run again
+    (another machine, a wiped store, a colleague's checkout), and W&B would then resume or
+    refuse someone else's run. Kept in ``cell.json``, so every attempt of a cell, on any host,
+    logs to the same run.
     """
     try:
         kept = read_json(directory / CELL_FILE).get("wandb_run_id")
@@ -74,7 +75,7 @@ def wandb_run_id(directory: Path, cell: Cell) -> str:
         kept = None
     if isinstance(kept, str) and kept:
         return kept
-    return hashlib.sha256(f"{directory}\n{cell.cell_id}".encode()).hexdigest()[:16]
+    return secrets.token_hex(8)
 
 
 def run_cell(cfg: DictConfig) -> dict[str, Any]:
@@ -86,20 +87,21 @@ def run_cell(cfg: DictConfig) -> dict[str, Any]:
     interrupted), and the backend's own error when the cell fails (recorded as failed).
     """
     cell = cell_from_config(cfg)
+    preflight = backend_preflight(cell.backend.name)
     if getattr(cell.backend, "dry_run", False):  # a checked launch command; nothing is written
-        from ablate.backends import backend_dry_run
-
-        return {"dry_run": backend_dry_run(cell.backend.name)(cell)}
+        return {"dry_run": preflight(cell) if preflight else f"backend={cell.backend.name} runs in process"}
     directory = cell_directory(cfg, cell)
     if inspect_cell(directory, cell.cell_id).state is CellState.COMPLETE:
         log.info("%s: complete in %s, skipped", cell.name, directory)
         return {**read_summary(directory), "skipped": True}
+    if preflight is not None:  # a launch that cannot work fails here, before the cell is written
+        preflight(cell)
     resolved = resolved_config(cfg)
     with signals_interrupt(), held(directory):
         view = inspect_cell(directory, cell.cell_id)
         if view.state is CellState.COMPLETE:  # another worker finished it while we looked
             return {**read_summary(directory), "skipped": True}
-        run_id = wandb_run_id(directory, cell)
+        run_id = wandb_run_id(directory)
         recorder = CellRecorder(directory)
         recorder.start(
             {"cell_id": cell.cell_id, "name": cell.name, "sweep": cell.sweep, "backend": cell.backend.name,

@@ -117,13 +117,6 @@ def sweep_dir(store_dir: str | os.PathLike[str], sweep: str) -> Path:
     return store_root(store_dir) / check_sweep_name(sweep)
 
 
-def cell_dirs(sweep_directory: Path) -> list[Path]:
-    """The cell directories of a sweep, sorted (Hydra's ``_hydra`` and other files left out)."""
-    if not sweep_directory.is_dir():
-        return []
-    return sorted(p for p in sweep_directory.iterdir() if p.is_dir() and not p.name.startswith(("_", ".")))
-
-
 # --- atomic files ---------------------------------------------------------------------------
 
 

@@ -63,7 +63,7 @@ def write_cell(sweep_dir, policy, budget, seed, status="complete", records=True,
     (cell_dir / "config.yaml").write_text(yaml.safe_dump({
         "backend": backend, "policy": {"name": policy, "per_layer": False},
         "tracking": {"mode": "offline", "tags": []}, "budget": budget, "seed": seed, "sweep": sweep_dir.name,
-        "store_dir": str(sweep_dir.parent), "objective": "final_reward", "device": "cpu", "trial": None,
+        "store_dir": str(sweep_dir.parent), "objective": "final_reward", "trial": None,
         "schema_version": schema,
     }))
     (cell_dir / "status.json").write_text(json.dumps({

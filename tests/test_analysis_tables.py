@@ -224,3 +224,18 @@ def test_each_context_is_its_own_multiplicity_family():
     assert replay.loc["sync", "p_adj"] == replay.loc["sync", "p_value"]
     assert set(table.attrs["families"]) == {"per-budget (regime=sync)", "per-budget (regime=async)",
                                             "pooled (regime=sync)", "pooled (regime=async)"}
+
+
+def test_differences_within_float32_rounding_are_no_effect_and_no_evidence():
+    # Two arms that agree up to float32 rounding in every seed, the residues all of one sign:
+    # the mean is 0, and the test must not read ten same-signed residues as p = 0.002.
+    values = np.linspace(0.4, 0.6, 10)
+    residue = values * 2.0**-24
+    rows = [{"policy": policy, "budget": budget, "seed": s, "final_reward": v}
+            for s, v in enumerate(values)
+            for policy, budget in (("none", 0.0), ("full", 1.0), ("random", 0.5))]
+    rows += [{"policy": "fisher", "budget": 0.5, "seed": s, "final_reward": v + r}
+             for s, (v, r) in enumerate(zip(values, residue))]
+    table = effects(pd.DataFrame(rows), "final_reward")
+    row = table[(table["policy"] == "fisher") & (table["baseline"] == "random") & (table["effect"] == "selection")].iloc[0]
+    assert row["mean"] == 0.0 and row["p_value"] == 1.0 and row["ci_low"] == row["ci_high"] == 0.0

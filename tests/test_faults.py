@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from ablate.store import CellState, cell_dirs, inspect_cell, read_json, read_records
+from ablate.store import CellState, inspect_cell, read_json, read_records
 from ablate.tracking import find_offline_runs, read_offline_run
 
 
@@ -46,6 +46,11 @@ def wait_for(condition, timeout: float = 120.0, what: str = "the condition") -> 
 def logged_steps(cell: Path) -> int:
     log = cell / "records.jsonl"
     return len(log.read_text().splitlines()) if log.exists() else 0
+
+
+def cell_dirs(sweep_directory: Path) -> list[Path]:
+    """The cell directories of a sweep (each has its cell.json from the moment it is claimed)."""
+    return sorted(p.parent for p in sweep_directory.glob("*/cell.json"))
 
 
 def only_cell(store: Path, sweep: str = "adhoc") -> Path:
@@ -255,3 +260,19 @@ def test_sigterm_stops_a_sweep_with_its_tally_and_the_rerun_resumes_it(tmp_path)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "1 interrupted (rerun)" in resumed.stdout
     assert all(inspect_cell(c).state is CellState.COMPLETE for c in cell_dirs(store / "faults"))
+
+
+def test_the_same_cell_in_two_stores_logs_to_two_wandb_runs(tmp_path):
+    """A cell's W&B run id is drawn at its first attempt and kept in cell.json, never derived
+    from the cell: the same cell run on another machine or after a wiped store must not resume
+    (or be refused by) the first one's run."""
+    from ablate.runner import wandb_run_id
+
+    first, second = tmp_path / "a" / "cell", tmp_path / "b" / "cell"
+    for store in ("a", "b"):
+        assert run(tmp_path / store, "backend=noop", "backend.steps=2", "policy=none", "seed=0",
+                   "tracking.mode=disabled").returncode == 0
+    ids = [read_json(only_cell(tmp_path / store) / "cell.json")["wandb_run_id"] for store in ("a", "b")]
+    assert ids[0] != ids[1] and all(len(i) == 16 for i in ids)
+    assert wandb_run_id(only_cell(tmp_path / "a")) == ids[0]  # a later attempt keeps it
+    assert wandb_run_id(first) != wandb_run_id(second)  # nothing kept yet: a fresh draw each

@@ -193,7 +193,7 @@ def test_the_job_composer_gives_what_hydra_composes(sweep):
     axes = {k: [str(v) for v in parser.parse_override(f"{k}={v}").sweep_string_iterator()] for k, v in params.items()}
     jobs = [[f"sweeps={sweep}", *job, "store_dir=/store"] for job in grid(**axes)]
     jobs += [[f"sweeps={sweep}", "policy=none", "budget=null", "seed=0", "+extra=1"],
-             [f"sweeps={sweep}", "policy=fisher", "budget=0.1", "~device", "tracking.tags=[a,b]"]]
+             [f"sweeps={sweep}", "policy=fisher", "budget=0.1", "~objective", "tracking.tags=[a,b]"]]
     fast = JobComposer(master, loader)
     for job in jobs[:: max(1, len(jobs) // 10)] + jobs[-2:]:
         expected = loader.load_sweep_config(master, job)

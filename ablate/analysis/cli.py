@@ -25,6 +25,7 @@ import pandas as pd
 
 from ablate.analysis.export import export_table, to_markdown
 from ablate.analysis.extras import MissingExtraError
+from ablate.analysis.compare import compare_values, parse_comparison
 from ablate.analysis.flags import flag_policies
 from ablate.analysis.load import CorruptCellError, ExcludedCellsWarning, load_runs, parse_where, sweep_dir
 from ablate.analysis.outcomes import OUTCOME_NAMES
@@ -51,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--by", action="append", metavar="KEY",
                         help="group arms by these keys (besides policy and budget) instead of every config key "
                              "that varies in the sweep, repeatable")
+    parser.add_argument("--compare", action="append", default=[], metavar="KEY=A:B",
+                        help="also compare two values of one key, paired by seed within every arm, repeatable; "
+                             "e.g. --compare policy.per_layer=true:false or --compare policy=mismatch:fisher")
     parser.add_argument("--level", type=float, default=0.95, help="confidence level of intervals (default: 0.95)")
     parser.add_argument("--reps", type=int, default=2000, help="bootstrap resamples (default: 2000)")
     parser.add_argument("--ci", choices=CI_METHODS, default="percentile",
@@ -98,6 +102,7 @@ def _sweep_dir(args: argparse.Namespace) -> Path:
 
 
 def _analyse(args: argparse.Namespace, where: dict[str, Any]) -> int:
+    comparisons = [parse_comparison(text) for text in args.compare]  # a typo fails before any work
     directory = _sweep_dir(args)
     out = args.out or directory / "analysis"
     outcomes = args.outcome or ["final_reward"]
@@ -141,6 +146,12 @@ def _analyse(args: argparse.Namespace, where: dict[str, Any]) -> int:
         print(_effects_legend(effect_table))
         print()
         print(to_markdown(effect_table))
+        for key, a, b in comparisons:
+            compared = compare_values(cells, outcome, key, a, b, adjust=args.adjust, **settings)
+            export_table(compared, out / f"compare_{_file_part(key)}_{outcome}", formats=("csv", "md"))
+            print(f"\n## {outcome}: {key}={a} - {key}={b} (paired by seed within each arm; p_adj: "
+                  f"{args.adjust} over the per-budget rows, pooled rows apart)\n")
+            print(to_markdown(compared.drop(columns=["compare", "effect"])))
     flags = flag_policies(cells, adjust=args.adjust, **settings)
     export_table(flags, out / "flags", formats=("csv", "md"))
     print(f"\n## flags (against none and full of the same sweep, at level {args.level:g}, "
@@ -224,3 +235,8 @@ def _dashboard(args: argparse.Namespace, sweep: str, table: pd.DataFrame, keys: 
         print(f"W&B workspace saved: {save_workspace(workspace)}")
     except RuntimeError as error:
         print(f"workspace not saved: {error}")
+
+
+def _file_part(key: str) -> str:
+    """A config key as part of a file name: ``policy.per_layer`` -> ``policy-per_layer``."""
+    return "".join(c if c.isalnum() or c in "_-" else "-" for c in key)

@@ -128,10 +128,15 @@ def load_runs(
         raise ValueError(f"source={source!r}: expected 'store', 'wandb-offline' or 'wandb'")
     cells = _select(cells, dict(where or {}))
     config_keys, determined = varied_config_keys(cells)
-    frame = _steps_frame(cells, config_keys) if per_step else _cells_frame(cells, config_keys, settings)
+    # Policy settings that vary are in the arm's name (fisher[tau=1.0]), not arm keys; their own
+    # columns let one compare two of their values (ablate.analysis.compare).
+    policy_settings = varied_policy_settings(cells, config_keys)
+    frame = (_steps_frame(cells, config_keys) if per_step
+             else _cells_frame(cells, [*config_keys, *policy_settings], settings))
     frame.attrs["excluded"] = excluded
     frame.attrs["corrupt_files"] = corrupt
     frame.attrs["config_keys"] = config_keys
+    frame.attrs["policy_settings"] = [] if per_step else policy_settings
     frame.attrs["determined_keys"] = determined
     frame.attrs["where"] = {key: _plain(value) for key, value in (where or {}).items()}
     _report_excluded(excluded, corrupt, str(path))
@@ -196,6 +201,13 @@ def varied_config_keys(cells: list[_LoadedCell]) -> tuple[list[str], dict[str, s
         else:
             determined[key] = by
     return sorted(varied), determined
+
+
+def varied_policy_settings(cells: list[_LoadedCell], config_keys: list[str]) -> list[str]:
+    """``policy.*`` keys (besides the name) whose value differs between cells and that are no arm keys."""
+    keys = sorted({key for cell in cells for key in cell.config
+                   if key.startswith("policy.") and key != "policy.name" and key not in config_keys})
+    return [key for key in keys if len({_hashable(cell.config.get(key, _MISSING)) for cell in cells}) > 1]
 
 
 def _determines(cause: list[Any], effect: list[Any]) -> bool:

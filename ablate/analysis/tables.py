@@ -45,6 +45,7 @@ from ablate.analysis.stats import (
     min_seeds_for_interval,
     paired_bootstrap_ci,
     probability_of_improvement,
+    ZERO_TOLERANCE,
     sign_flip_pvalue,
     snap_to_zero,
 )
@@ -257,8 +258,10 @@ def _row(
     """One effect row from seed-paired values ``a`` (policy) and ``b`` (baseline)."""
     n = a.size
     rng = row_rng(settings.seed, kind, settings.outcome, *prefix.values(), policy, baseline, budget, pooled)
-    diffs = a - b
     scale = float(max(np.abs(a).max(initial=0.0), np.abs(b).max(initial=0.0)))
+    # Differences within float32 rounding are 0 for every statistic of the row, the test too:
+    # seeds that agree up to rounding must not read as a consistent sign.
+    diffs = np.where(np.abs(a - b) <= ZERO_TOLERANCE * scale, 0.0, a - b)
     low, high = (
         paired_bootstrap_ci(a, b, level=settings.level, reps=settings.reps, rng=rng, method=settings.method)
         if n >= settings.needed else (math.nan, math.nan)

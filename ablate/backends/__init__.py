@@ -14,9 +14,11 @@ BACKENDS = {
 }
 
 
-#: backend name -> "module:function" with signature ``dry_run(cell) -> str``: the checked launch a
-#: cell would make (``backend.dry_run=true``), for backends that launch another program.
-DRY_RUNS = {
+#: backend name -> "module:function" with signature ``preflight(cell) -> str``, for backends that
+#: launch another program: checks the launch the cell would make and returns its command. The
+#: runner calls it before the cell's directory is written, so a launch that cannot work (verl
+#: missing, a config verl refuses) fails as a bad config, and ``backend.dry_run=true`` prints it.
+PREFLIGHTS = {
     "verl": "ablate.backends.verl.backend:dry_run_command",
 }
 
@@ -25,8 +27,9 @@ def backend_runner(name: str) -> Callable[..., Any]:
     return _load(BACKENDS, name)
 
 
-def backend_dry_run(name: str) -> Callable[..., str]:
-    return _load(DRY_RUNS, name)
+def backend_preflight(name: str) -> Callable[..., str] | None:
+    """The backend's preflight check, or ``None`` when it has none (it runs in process)."""
+    return _load(PREFLIGHTS, name) if name in PREFLIGHTS else None
 
 
 def _load(table: dict[str, str], name: str) -> Callable[..., Any]:

@@ -73,11 +73,19 @@ def test_fsdp_engine_is_refused_before_launch(tmp_path):
         build_command(cell, tmp_path / "m.jsonl")
 
 
-def test_expert_estimators_are_refused_on_verl(tmp_path):
+def test_expert_estimators_are_refused_on_verl_before_anything_is_written(tmp_path):
+    from ablate.config import ConfigError
 
-    cell = cell_from_config(verl_cell_config(tmp_path, "policy=fisher", "budget=0.5", "policy.fisher.estimator=expert_outputs"))
-    with pytest.raises(VerlLaunchError, match="policy.fisher.estimator=expert_outputs on backend=verl"):
-        build_command(cell, tmp_path / "m.jsonl")
+    with pytest.raises(ConfigError, match="policy.fisher.estimator=expert_outputs: expected router_logits with backend=verl"):
+        run_cell(verl_cell_config(tmp_path, "policy=fisher", "budget=0.5", "policy.fisher.estimator=expert_outputs"))
+    assert not (tmp_path / "adhoc").exists()
+
+
+def test_a_launch_verl_refuses_fails_before_the_cell_is_written(tmp_path):
+    with pytest.raises(VerlLaunchError, match="Megatron"):
+        run_cell(verl_cell_config(tmp_path, "policy=random", "budget=0.5",
+                                  "backend.overrides=['actor_rollout_ref.actor.strategy=fsdp']"))
+    assert not (tmp_path / "adhoc").exists()
 
 
 def test_the_hook_settings_carry_the_cell_and_verl_update_epochs(tmp_path):

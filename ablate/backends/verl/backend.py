@@ -24,7 +24,6 @@ from typing import Any
 
 from ablate.backends.verl.hook import HookSettings
 from ablate.backends.verl.launch import (
-    VerlLaunchError,
     check_cell_config,
     check_verl,
     compose,
@@ -116,12 +115,6 @@ def build_command(cell: Cell, metrics_file: Path) -> tuple[list[str], dict[str, 
     """
     cfg: VerlConfig = cell.backend  # type: ignore[assignment]
     check_verl()
-    estimator = choice_value(cell.fisher.estimator)
-    if estimator != "router_logits":
-        raise VerlLaunchError(
-            f"policy.fisher.estimator={estimator} on backend=verl: the verl hook measures router-logit "
-            "gradients only; expected router_logits"
-        )
     config_dir = Path(cfg.config_dir) if cfg.config_dir else default_config_dir()
     own = ["trainer.logger=[console,file]", f"trainer.experiment_name={cell.name}", *cfg.overrides]
     settings = HookSettings(policy=cell.policy_spec(), budget=cell.budget, seed=cell.seed)

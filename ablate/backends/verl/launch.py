@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ablate.backends.verl.hook import HookSettings
+from ablate.config import ConfigError
 
 #: The verl release the hook is written against. REQUIRED_VERL.txt, at the top of the repository,
 #: declares the same pin in verl-recipe's format (a test keeps the two equal); the constant is
@@ -32,8 +33,11 @@ DYNAMIC_CP_KEY = "actor_rollout_ref.actor.megatron.dynamic_context_parallel"
 EPOCHS_KEY = "actor_rollout_ref.actor.ppo_epochs"
 
 
-class VerlLaunchError(RuntimeError):
-    """A cell that cannot run on verl, found before anything is launched."""
+class VerlLaunchError(ConfigError):
+    """A cell that cannot run on verl, found before anything is launched or written.
+
+    A :class:`~ablate.config.ConfigError`: the command ends with its one line and exit status 2.
+    """
 
 
 def hydra_string(value: str) -> str:
