@@ -46,7 +46,7 @@ def test_cell_becomes_a_checked_verl_command(tmp_path, policy, budget, mode):
     command, env = build_command(cell, tmp_path / "metrics.jsonl")
     assert command[1:3] == ["-m", "verl.trainer.main_ppo"]
     assert f"actor_rollout_ref.actor.megatron.router_replay.mode={mode}" in command
-    assert "trainer.logger=[console,file]" in command and f"trainer.experiment_name={cell.name}" in command
+    assert "trainer.logger=[console,file]" in command and f"trainer.experiment_name='{cell.name}'" in command
     assert env["VERL_FILE_LOGGER_PATH"] == str(tmp_path / "metrics.jsonl")
     hooked = any(part.startswith("actor_rollout_ref.model.external_lib=") for part in command)
     assert hooked == (policy not in ("none", "full"))
@@ -102,3 +102,9 @@ def test_the_hook_settings_carry_the_cell_and_verl_update_epochs(tmp_path):
     assert settings == HookSettings(cell.policy_spec(), 0.25, 4, update_epochs=2)
     assert settings.policy.settings == {"per_layer": False, "tau": 0.5} and settings.policy.fisher_decay == 0.7
     assert "actor_rollout_ref.rollout.seed=4" in command
+    # The variant puts '=' and ',' into the cell name; verl's composition keeps it whole.
+    from ablate.backends.verl.backend import default_config_dir
+    from ablate.backends.verl.launch import compose
+
+    assert cell.name == "fisher+tau=0.5,fisher.decay=0.7-b0.25-s4"
+    assert compose(default_config_dir(), "ablate_ppo", command[5:]).trainer.experiment_name == cell.name

@@ -27,6 +27,7 @@ from ablate.backends.verl.launch import (
     check_cell_config,
     check_verl,
     compose,
+    hydra_string,
     update_epochs,
     verl_overrides,
 )
@@ -116,7 +117,8 @@ def build_command(cell: Cell, metrics_file: Path) -> tuple[list[str], dict[str, 
     cfg: VerlConfig = cell.backend  # type: ignore[assignment]
     check_verl()
     config_dir = Path(cfg.config_dir) if cfg.config_dir else default_config_dir()
-    own = ["trainer.logger=[console,file]", f"trainer.experiment_name={cell.name}", *cfg.overrides]
+    # Quoted: a settings variant puts '=' and ',' in the name (fisher+tau=0.5-b0.25-s4).
+    own = ["trainer.logger=[console,file]", f"trainer.experiment_name={hydra_string(cell.name)}", *cfg.overrides]
     settings = HookSettings(policy=cell.policy_spec(), budget=cell.budget, seed=cell.seed)
     draft = compose(config_dir, cfg.config_name, [*verl_overrides(settings), *own])
     check_cell_config(draft, cell.policy)
