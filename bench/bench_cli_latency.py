@@ -5,7 +5,7 @@ Every figure is the median wall time of a fresh process, measured in this run:
   that looks like a used checkout (a ``.venv/`` link to the real one and a ``runs/`` of many
   cells), next to the ``--help`` of a bare Hydra app (bench/bare_app) as the baseline;
 - tab completion (``ablate -sc query=bash`` for ``ablate polic``);
-- planning a sweep without running it (``hydra.sweeper.dry_run=true``): ``smoke`` (20 cells)
+- planning a sweep without running it (``hydra.sweeper.dry_run=true``): ``smoke`` (60 cells)
   and ``budget_selection`` (264 cells), next to ``python -c "import torch"``, a floor that any
   plan pays because validating a cell builds its policy.
 
@@ -72,7 +72,7 @@ def main() -> None:
                                                               args.repeats),
             'python -c "import torch"': timed([python, "-c", "import torch"], tmp_path, env, args.repeats),
         }
-        for sweep, cells in (("smoke", 20), ("budget_selection", 264)):
+        for sweep, cells in (("smoke", 60), ("budget_selection", 264)):
             store = tmp_path / f"store-{sweep}"
             figures[f"plan sweeps={sweep} ({cells} cells, dry run)"] = timed(
                 [*ablate, f"sweeps={sweep}", "hydra.sweeper.dry_run=true", f"store_dir={store}"], checkout, env,
@@ -83,7 +83,7 @@ def main() -> None:
     for label, seconds in figures.items():
         print(f"{label:<{width}}  {seconds:6.2f} s   {seconds / baseline:5.1f}x bare Hydra --help")
     per_cell = (figures["plan sweeps=budget_selection (264 cells, dry run)"]
-                - figures["plan sweeps=smoke (20 cells, dry run)"]) / (264 - 20)
+                - figures["plan sweeps=smoke (60 cells, dry run)"]) / (264 - 60)
     print(f"planning cost per cell (slope between the two sweeps): {per_cell * 1e3:.1f} ms")
 
 

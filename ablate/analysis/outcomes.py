@@ -16,7 +16,8 @@ Outcomes (the names are a public contract):
     training, in reward units. With a single finite value it is that value.
 ``reward_late_gain``
     ``final_reward`` minus the mean reward over the window of the same length just before it:
-    how much the policy was still improving at the end (used by the "too restrictive" flag).
+    how much the policy was still improving at the end (a description: an arm that learned
+    faster has less left to gain, so the flags do not read it).
     NaN when there are fewer than two windows of steps.
 ``kl_k3_mean`` / ``kl_k3_worst``
     Mean and maximum over steps of ``mismatch/kl_k3`` (train-inference KL after replay,

@@ -104,8 +104,9 @@ def check_cell_config(config, policy: str) -> None:
     """Reject a composed verl config that cannot run ``policy`` as ablate means it.
 
     Replay needs the Megatron engine and routes recorded by a vLLM or SGLang rollout. The hook
-    needs verl's static micro-batching (not dynamic context parallelism). ``mismatch`` needs the
-    native routes of the old-log-prob pass, which bypass mode skips: with one PPO epoch every
+    needs verl's static micro-batching (not dynamic context parallelism). ``mismatch`` takes its
+    native routes from a native pass the hook runs in the old-log-prob call, which bypass mode
+    skips: with one PPO epoch every
     sequence would first be seen in the update pass and route natively, so the cell would be
     ``none`` under another name. It is refused rather than run.
     """
