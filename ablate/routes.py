@@ -313,11 +313,44 @@ def overlap_count(a: Tensor, b: Tensor) -> Tensor:
 
 
 def _overlap_chunk(a: Tensor, b: Tensor) -> Tensor:
-    # Slot-major copies, so that each comparison is one long contiguous pass over [tokens, layers]:
-    # k passes of "every slot of a equals slot j of b", instead of a [T, L, K, K] broadcast whose
+    # Most routes agree, and two routers that rank experts by score list a shared route in the
+    # same order: one cheap positional comparison settles those (overlap = topk), and only the
+    # rest pay the all-pairs slot comparison. Exact either way: a route that agrees as a set but
+    # not in order just takes the slow path.
+    topk = a.shape[-1]
+    same = _equal_in_order(a, b)
+    differ = (~same).nonzero(as_tuple=True)
+    if differ[0].numel() * 2 > same.numel():  # mostly different: gathering would cost more than it saves
+        return _slot_overlap(a, b)
+    shared = torch.full(same.shape, topk, dtype=torch.int32, device=a.device)
+    if differ[0].numel():
+        shared[differ] = _slot_overlap(a[differ], b[differ])
+    return shared
+
+
+def _equal_in_order(a: Tensor, b: Tensor) -> Tensor:
+    """``a.shape[:-1]`` bool: the two routes hold the same ids slot for slot."""
+    route_bytes = a.shape[-1] * a.element_size()
+    aligned = all(x.is_contiguous() and x.storage_offset() * x.element_size() % 8 == 0 for x in (a, b))
+    if a.dtype == b.dtype and route_bytes % 8 == 0 and aligned:
+        # Compare whole routes as int64 words (top-8 int16 ids are two words): a few long passes
+        # instead of topk-long runs.
+        words_a = a.view(torch.int64).reshape(a.shape[:-1] + (route_bytes // 8,))
+        words_b = b.view(torch.int64).reshape(words_a.shape)
+        same = words_a[..., 0] == words_b[..., 0]
+        for word in range(1, words_a.shape[-1]):  # an & per word beats .all(-1) over a short last dim
+            same &= words_a[..., word] == words_b[..., word]
+        return same
+    return (a == b).all(-1)
+
+
+def _slot_overlap(a: Tensor, b: Tensor) -> Tensor:
+    """``a.shape[:-1]`` int32: slots of ``a`` whose id appears anywhere in ``b``'s route."""
+    # Slot-major copies, so that each comparison is one long contiguous pass over the routes:
+    # k passes of "every slot of a equals slot j of b", instead of a [..., K, K] broadcast whose
     # innermost runs are only k long.
-    slots_a = a.permute(2, 0, 1).contiguous()
-    slots_b = b.permute(2, 0, 1).contiguous()
+    slots_a = a.movedim(-1, 0).contiguous()
+    slots_b = b.movedim(-1, 0).contiguous()
     found = slots_a == slots_b[0]
     hit = torch.empty_like(found)
     for slot in range(1, slots_b.shape[0]):

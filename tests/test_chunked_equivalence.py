@@ -182,3 +182,55 @@ def test_id_checks_find_the_first_bad_route_in_any_chunk(chunk_ids, monkeypatch)
     ignored = routes.rollout.clone()
     ignored[invalid] = -7  # never read: the token is invalid
     Routes(rollout=ignored, valid=routes.valid, num_experts=50)
+
+
+def mostly_agreeing_batch(tokens, layers, experts, topk, seed):
+    """Native routes as a router beside the rollout gives them: mostly equal slot for slot."""
+    routes = random_batch(tokens, layers, experts, topk, seed, all_valid=True)
+    g = torch.Generator().manual_seed(seed + 1)
+    kind = torch.randint(0, 10, (tokens, layers, 1), generator=g)
+    native = torch.where(kind < 8, routes.rollout, routes.native)  # 80% equal; the rest reordered or fresh
+    return routes.rollout, native
+
+
+@pytest.mark.parametrize("topk, experts", [(8, 128), (4, 300), (3, 40), (1, 9)])
+@CHUNK_TOKENS
+def test_overlap_of_mostly_agreeing_routes_equals_the_reference(topk, experts, chunk_tokens, monkeypatch):
+    """Routes equal in order take the positional shortcut; reordered or different ones the full comparison."""
+    a, b = mostly_agreeing_batch(41, 5, experts, topk, seed=topk)
+    monkeypatch.setattr(ablate.routes, "_CHUNK_IDS", chunk_tokens * 5 * topk)
+    assert torch.equal(overlap_count(a, b), reference_overlap(a, b))
+    # Views whose storage does not start on an 8-byte boundary cannot be read as int64 words.
+    shifted_a = torch.cat([a.new_zeros(1), a.reshape(-1)])[1:].view(a.shape)
+    shifted_b = torch.cat([b.new_zeros(3), b.reshape(-1)])[3:].view(b.shape)
+    assert torch.equal(overlap_count(shifted_a, shifted_b), reference_overlap(a, b))
+    assert torch.equal(overlap_count(a, b.int()), reference_overlap(a, b))
+
+
+@pytest.mark.parametrize("valid_share", [0.9, 0.2], ids=["mostly-valid", "mostly-padding"])
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int32, torch.int64])
+def test_route_scores_never_read_padding_ids(valid_share, dtype):
+    """Padding may hold any id, in range or not; it scores 0 and the routes are left untouched."""
+    routes = random_batch(60, 3, 50, 4, seed=5, all_valid=True, dtype=dtype)
+    g = torch.Generator().manual_seed(6)
+    valid = torch.rand(60, generator=g) < valid_share
+    rollout = routes.rollout.clone()
+    rollout[~valid] = torch.randint(-30000, 30000, (int((~valid).sum()), 3, 4), generator=g, dtype=dtype)
+    padded = Routes(rollout=rollout, valid=valid, num_experts=50, ids_checked=True)
+    before = rollout.clone()
+    estimate = torch.rand(3, 50, generator=g)
+    torch.testing.assert_close(route_scores(estimate, padded), reference_scores(estimate, routes) * valid[:, None])
+    assert torch.equal(rollout, before)
+
+
+@pytest.mark.parametrize("experts", [12, 128, 300])
+@pytest.mark.parametrize("topk", range(1, 10))
+def test_recorded_routes_agree_with_a_set_per_route(experts, topk):
+    """Distinct and in-range ids, against Python's sets, with ids that collide modulo 256."""
+    from ablate.backends.verl.selection import recorded_routes
+
+    g = torch.Generator().manual_seed(experts + topk)
+    ids = torch.randint(-1, experts + 1, (3000, 3, topk), generator=g, dtype=torch.int16)
+    ids[:200, :, :2] = torch.tensor([3, 259], dtype=torch.int16)[:topk]  # distinct, equal as bytes
+    expected = [[len(set(route)) == topk and all(0 <= e < experts for e in route) for route in token] for token in ids.tolist()]
+    assert recorded_routes(ids, experts).tolist() == expected

@@ -42,27 +42,32 @@ def route_counts(routes: Routes, mask: Tensor, *, fisher_scores: Tensor | None =
     ``fisher_mass`` and ``fisher_total`` are the Fisher route scores (``sum_{e in route} F[l, e]``)
     of the replayed and of all valid routes; 0 without ``fisher_scores``.
     """
-    mask = mask & routes.valid[:, None]
+    every_token = bool(routes.valid.all())
+    mask = mask if every_token else mask & routes.valid[:, None]
     counts = dict.fromkeys(ROUTE_COUNTS, 0.0)
     counts["valid_routes"] = float(routes.num_valid_routes)
     counts["replayed_routes"] = float(mask.sum())
     overlap = routes.native_overlap
     if overlap is not None:
-        mismatched = (overlap < routes.topk) & routes.valid[:, None]
+        mismatched = overlap < routes.topk
+        if not every_token:
+            mismatched &= routes.valid[:, None]
+        overridden = float((mismatched & mask).sum())
+        shared = overlap if every_token else overlap * routes.valid[:, None]
         counts.update(
             compared_routes=counts["valid_routes"],
             compared_tokens=float(routes.num_valid_tokens),
             compared_replayed=counts["replayed_routes"],
-            overridden_routes=float((mismatched & mask).sum()),
+            overridden_routes=overridden,
             mismatched_routes=float(mismatched.sum()),
             mismatched_tokens=float(mismatched.any(1).sum()),
-            mismatched_replayed=float((mismatched & mask).sum()),
-            shared_experts=float((overlap * routes.valid[:, None]).sum(dtype=torch.float64)),
+            mismatched_replayed=overridden,
+            shared_experts=float(shared.sum(dtype=torch.float64)),
         )
     if fisher_scores is not None:
-        score = route_scores(fisher_scores, routes)
-        counts["fisher_mass"] = float((score * mask).sum(dtype=torch.float64))
-        counts["fisher_total"] = float(score[routes.valid].sum(dtype=torch.float64))
+        score = route_scores(fisher_scores, routes)  # 0 on invalid tokens
+        counts["fisher_total"] = float(score.sum(dtype=torch.float64))
+        counts["fisher_mass"] = float(score.masked_fill_(~mask, 0).sum(dtype=torch.float64))
     return counts
 
 

@@ -247,11 +247,21 @@ def route_scores(estimate: Tensor, routes: Routes) -> Tensor:
     # One bag of k (layer, expert) rows per route: embedding_bag sums the k scores in one fused
     # gather, over chunks of tokens, instead of k full-size int64 index tensors and gathers.
     layer_base = (torch.arange(routes.num_layers, device=routes.device, dtype=torch.int32) * routes.num_experts)[:, None]
-    # Invalid tokens score 0 and their ids are never read: padding may hold any value.
+    # Invalid tokens score 0, and padding may hold any id. When most tokens are valid, scoring
+    # every token over contiguous slices (padding ids clamped into range, their scores zeroed
+    # after) is cheaper than gathering the valid rows out and scattering their scores back.
+    valid_count = routes.num_valid_tokens
+    every_row = 2 * valid_count >= routes.num_tokens
     score = torch.zeros(routes.num_tokens, routes.num_layers, device=routes.device)
-    for rows in token_chunks(routes.valid, routes.num_layers * routes.topk):
-        bags = (routes.rollout[rows].to(torch.int32) + layer_base).reshape(-1, routes.topk)
+    chunks = token_chunks(routes.num_tokens if every_row else routes.valid, routes.num_layers * routes.topk)
+    for rows in chunks:
+        ids = routes.rollout[rows].to(torch.int32, copy=True)  # written in place below
+        if every_row and valid_count < routes.num_tokens:
+            ids.clamp_(0, routes.num_experts - 1)
+        bags = ids.add_(layer_base).reshape(-1, routes.topk)
         score[rows] = F.embedding_bag(bags, table, mode="sum").reshape(-1, routes.num_layers)
+    if every_row and valid_count < routes.num_tokens:
+        score.masked_fill_(~routes.valid[:, None], 0.0)
     return score
 
 

@@ -54,16 +54,26 @@ def recorded_routes(routes: Tensor, num_experts: int) -> Tensor:
     """``[tokens, layers]`` bool: the route holds ``topk`` distinct ids in ``[0, num_experts)``.
 
     This is the one check of the micro-batch's ids: :class:`Routes` built from the recorded
-    routes skip their own (``ids_checked``). Each slot is compared with the slot ``d`` places
-    after it, cyclically, for ``d`` up to ``topk / 2``: that covers every pair in ``topk / 2``
-    whole-tensor comparisons, and no temporary is larger than ``[tokens, layers, topk]``.
+    routes skip their own (``ids_checked``). It works on a slot-major copy (``[topk, tokens,
+    layers]``), so every comparison is one long contiguous pass: a running minimum and maximum
+    over the slots for the range, then every pair of slots for duplicates, on uint8 copies of the
+    ids when ``num_experts <= 256`` (four times fewer bytes than the int16 ids; wrapping an
+    out-of-range id cannot hide a duplicate, and that route is rejected by the range anyway).
     """
     topk = routes.shape[-1]
-    bad = (routes < 0) | (routes >= num_experts)
-    doubled = torch.cat([routes, routes], dim=-1)
-    for shift in range(1, topk // 2 + 1):
-        bad |= routes == doubled[..., shift : shift + topk]
-    return ~bad.any(-1)
+    slots = routes.movedim(-1, 0).contiguous()
+    low, high = slots[0].clone(), slots[0].clone()
+    for slot in slots[1:]:
+        torch.minimum(low, slot, out=low)
+        torch.maximum(high, slot, out=high)
+    bad = (low < 0) | (high >= num_experts)
+    ids = slots.to(torch.uint8) if num_experts <= 256 else slots
+    same = torch.empty_like(bad)
+    for first in range(topk):
+        for second in range(first + 1, topk):
+            torch.eq(ids[first], ids[second], out=same)
+            bad |= same
+    return ~bad
 
 
 def sequence_keys(first_layer: Tensor, offsets: Tensor) -> list[bytes]:
