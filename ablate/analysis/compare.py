@@ -70,14 +70,13 @@ def compare_values(
     then the effect table's columns (``effect`` is ``"compare"``, ``baseline`` is ``key=b``).
     """
     if key == "policy":
-        table = effects(df, outcome, by=by, level=level, reps=reps, seed=seed, method=method,
-                        min_seeds=min_seeds, comparisons=[(a, b)], adjust=adjust, matched=False)
-        table = table[(table["policy"] == a) & (table["baseline"] == b)].copy()
         missing = {a, b} - set(df["policy"])
         if missing:
             raise ValueError(f"--compare policy={a}:{b}: no policy {sorted(missing)} in this sweep; "
                              f"policies here: {', '.join(sorted(set(df['policy'])))}")
-        table = table.reset_index(drop=True)
+        table = effects(df, outcome, by=by, level=level, reps=reps, seed=seed, method=method,
+                        min_seeds=min_seeds, comparisons=[(a, b)], adjust=adjust, matched=False)
+        table = table[(table["policy"] == a) & (table["baseline"] == b)].reset_index(drop=True)
         _adjust(table, adjust)  # this comparison's own families, not the effects table's
         table.insert(0, "compare", f"policy: {a} - {b}")
         return table

@@ -252,15 +252,16 @@ def route_scores(estimate: Tensor, routes: Routes) -> Tensor:
     # after) is cheaper than gathering the valid rows out and scattering their scores back.
     valid_count = routes.num_valid_tokens
     every_row = 2 * valid_count >= routes.num_tokens
+    padded = every_row and valid_count < routes.num_tokens  # rows of padding are scored, then zeroed
     score = torch.zeros(routes.num_tokens, routes.num_layers, device=routes.device)
     chunks = token_chunks(routes.num_tokens if every_row else routes.valid, routes.num_layers * routes.topk)
     for rows in chunks:
         ids = routes.rollout[rows].to(torch.int32, copy=True)  # written in place below
-        if every_row and valid_count < routes.num_tokens:
+        if padded:
             ids.clamp_(0, routes.num_experts - 1)
         bags = ids.add_(layer_base).reshape(-1, routes.topk)
         score[rows] = F.embedding_bag(bags, table, mode="sum").reshape(-1, routes.num_layers)
-    if every_row and valid_count < routes.num_tokens:
+    if padded:
         score.masked_fill_(~routes.valid[:, None], 0.0)
     return score
 
