@@ -44,13 +44,16 @@ def _meaning(entry: dict[str, Any]) -> str:
     return description[: -len(suffix)] if description.endswith(suffix) else description
 
 
-def _range(entry: dict[str, Any]) -> str:
+def _values(entry: dict[str, Any], nullable: bool) -> str:
+    """The JSON type and range in words, e.g. ``number in [0, 1], or NaN``."""
     low, high = entry.get("minimum"), entry.get("maximum")
     if low is None and high is None:
-        return "any real"
-    if high is None:
-        return f">= {low:g}"
-    return f"[{low:g}, {high:g}]"
+        values = f"any {entry['type']}"
+    elif high is None:
+        values = f"{entry['type']} >= {low:g}"
+    else:
+        values = f"{entry['type']} in [{low:g}, {high:g}]"
+    return values + (", or NaN" if nullable else "")
 
 
 def _cell(text: str) -> str:
@@ -66,20 +69,19 @@ def render(schema: dict[str, Any]) -> str:
         "# Diagnostics keys",
         "",
         f"Generated from `ablate/diagnostics/schema.json` ({schema['title']}) when the site is built.",
-        "Every record a backend logs is validated against this schema; a key marked NaN may be NaN",
-        "in a step where it is undefined. The schema and what the keys mean are explained in",
+        "Every record a backend logs is validated against this schema; a key whose values include NaN",
+        "is NaN in a step where it is undefined. The schema and what the keys mean are explained in",
         "[Diagnostics](diagnostics.md).",
     ]
     for section, names in sections.items():
         lines += ["", f"## `{section}/`", ""]
         if section in SECTION_INTROS:
             lines += [SECTION_INTROS[section], ""]
-        lines += ["| key | type | range | unit | NaN | meaning |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += ["| key | values | unit | meaning |", "| --- | --- | --- | --- |"]
         for name in names:
             entry, nullable = _fields(schema["properties"][name])
             lines.append(
-                f"| `{name}` | {entry['type']} ({entry['x-kind']}) | {_range(entry)} | "
-                f"{_cell(entry['x-unit'])} | {'yes' if nullable else 'no'} | {_cell(_meaning(entry))} |"
+                f"| `{name}` | {_values(entry, nullable)} | {_cell(entry['x-unit'])} | {_cell(_meaning(entry))} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -49,10 +49,11 @@ def test_the_generated_reference_lists_every_schema_key_with_its_unit_meaning_an
         # A pipe in a table cell is escaped, or it would end the cell.
         assert key.unit.replace("|", "\\|") in row, f"{name}: unit {key.unit!r} missing"
         assert key.meaning.replace("|", "\\|") in row, f"{name}: meaning missing"
-        assert row.split(" | ")[4] == ("yes" if key.nullable else "no"), f"{name}: wrong NaN column"
-    assert "| `replay/budget_requested` | number (fraction) | [0, 1] |" in page
-    assert "| `replay/valid_routes` | integer (count) | >= 0 |" in page
-    assert "| `mismatch/kl_k1` | number (real) | any real |" in page
+        assert row.split(" | ")[1].endswith(", or NaN") == key.nullable, f"{name}: wrong NaN rule"
+    assert "| `replay/budget_requested` | number in [0, 1] | fraction of valid routes |" in page
+    assert "| `replay/valid_routes` | integer >= 0 | routes |" in page
+    assert "| `replay/override_rate` | number in [0, 1], or NaN |" in page
+    assert "| `mismatch/kl_k1` | any number | nats |" in page
 
 
 def test_the_site_builds_the_reference_with_its_hook_and_names_it_in_the_nav():
