@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-verl test-wheel bench install clean
+.PHONY: demo test test-slow test-verl test-wheel docs bench install clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,9 @@ test-verl:
 test-wheel:
 	PYTHON=$(PYTHON) TORCH_SPEC="$(TORCH_SPEC)" bash .ci/wheel-smoke.sh
 
+docs:
+	PYTHON=$(PYTHON) bash .ci/docs.sh
+
 bench: $(STAMP)
 	$(BIN)/python bench/bench_policies.py
 	$(BIN)/python bench/bench_sweep_overhead.py
@@ -45,4 +48,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/calibrate_synthetic.py
 
 clean:
-	rm -rf $(VENV) .venv-verl
+	rm -rf $(VENV) .venv-verl .venv-docs

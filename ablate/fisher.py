@@ -4,7 +4,7 @@
 the parameters (or activations) of expert ``e`` in layer ``l``. It is built from *per-token*
 squared gradients: the square of a batch gradient would let tokens cancel each other and
 measure agreement, not sensitivity. Three estimators give the per-token quantity
-``g2[t, l, e]`` (formulas in the README):
+``g2[t, l, e]`` (formulas in docs/fisher.md):
 
 - ``router_logits``: ``(dL/dz[t, l, e])^2`` for router logit ``z``; every token counts for
   every expert of its layer.

@@ -7,7 +7,7 @@ curve (mean reward in five equal windows of steps), the final expert drift, the 
 over seeds (mean, min, max), the reward AUC, how many seeds
 collapsed (``ablate.analysis.outcomes``: relative to chance-level reward) and the CPU seconds
 per cell. Then the paired differences of final reward and reward AUC between the first two
-policies, with exact sign-flip p-values. The README's calibration tables come from here.
+policies, with exact sign-flip p-values. The calibration tables of the docs' results pages come from here.
 
     python bench/calibrate_synthetic.py --seeds 4 backend=synthetic_offpolicy
     python bench/calibrate_synthetic.py --seeds 3 --steps 100 backend.router_perturbation=0.3
