@@ -65,6 +65,15 @@ class CellBusy(RuntimeError):
     """Another live worker holds the cell's claim."""
 
 
+class ClaimLost(RuntimeError):
+    """This worker no longer holds the claim of the cell it runs: another worker took the cell over.
+
+    It happens to a worker paused or stalled longer than the stale limit (a SLURM suspend, a VM
+    pause, an NFS stall): its claim looked dead and was taken. The worker must write nothing more
+    to the cell, whose files are now the other worker's.
+    """
+
+
 class CellState(str, Enum):
     """Where a cell stands in the run store: the one vocabulary of the store's readers.
 
@@ -275,6 +284,8 @@ class Claim:
 
     def __init__(self, path: Path, identity: Mapping[str, Any], heartbeat_every: float = HEARTBEAT_EVERY) -> None:
         self.path, self.identity = path, dict(identity)
+        #: Set once the claim is found to be another worker's; it never comes back.
+        self.lost = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, args=(heartbeat_every,), daemon=True,
                                         name=f"claim-heartbeat-{path.parent.name}")
@@ -282,6 +293,9 @@ class Claim:
 
     def _beat(self, every: float) -> None:
         while not self._stop.wait(every):
+            if not self.owned():  # never keep another worker's claim alive
+                self.lost = True
+                return
             try:
                 os.utime(self.path)
             except OSError as error:
@@ -293,6 +307,25 @@ class Claim:
         except (FileNotFoundError, StoreError):
             return False
         return all(held.get(k) == self.identity[k] for k in ("host", "pid", "process_start"))
+
+    def check(self) -> None:
+        """The fence: raise :class:`ClaimLost` unless this worker still holds the claim.
+
+        Called before every write that marks the cell (its identity, status, records, summary),
+        so that a worker that resumes after losing its claim cannot overwrite the result of the
+        worker that took the cell over.
+        """
+        if not self.lost and self.owned():
+            return
+        self.lost = True
+        try:
+            now_held = f"now held by {describe_holder(read_json(self.path))}"
+        except (FileNotFoundError, StoreError):
+            now_held = "since taken over and released"
+        raise ClaimLost(
+            f"{self.path.parent.name}: this worker ({describe_holder(self.identity)}) lost its claim on the cell, "
+            f"{now_held}: it was paused or stalled past the {STALE_AFTER:g} s stale limit and another worker took "
+            f"the cell over; it stops without writing, the cell's files are the other worker's ({self.path.parent})")
 
     def release(self) -> None:
         self._stop.set()
@@ -323,7 +356,18 @@ def claim(cell_dir: Path) -> Claim:
                 os.replace(mine, path)  # atomic takeover, serialised by the lock
     finally:
         mine.unlink(missing_ok=True)
+    remove_dead_writers_files(cell_dir)
     return Claim(path, identity)
+
+
+def remove_dead_writers_files(cell_dir: Path) -> None:
+    """Remove the temporary files of atomic writes that a killed writer left in ``cell_dir``.
+
+    Only the claim's holder writes a cell's files, so once the claim is taken every temporary
+    file in the directory belongs to a writer that is gone (kill -9, the OOM killer, a lost node).
+    """
+    for tmp in cell_dir.glob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
 
 
 @contextmanager
@@ -394,8 +438,10 @@ class CellRecorder:
     from what was logged without reading the files back.
     """
 
-    def __init__(self, cell_dir: Path) -> None:
+    def __init__(self, cell_dir: Path, claim: Claim | None = None) -> None:
         self.dir = cell_dir
+        #: The claim this recorder writes under: every write that marks the cell is fenced by it.
+        self.claim = claim
         self.warnings: list[str] = []
         self._rows: list[dict[str, Any]] = []
         self._status: dict[str, Any] = {}
@@ -406,9 +452,14 @@ class CellRecorder:
         """Every step recorded so far, as written to the step log."""
         return records_frame(self._rows)
 
+    def _fence(self) -> None:
+        if self.claim is not None:
+            self.claim.check()
+
     def start(self, cell: Mapping[str, Any], config_yaml: str, attempt: int) -> None:
         """Begin attempt ``attempt``: the previous attempt's records, summary and W&B run go."""
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._fence()
         for stale in ATTEMPT_FILES:
             (self.dir / stale).unlink(missing_ok=True)
         shutil.rmtree(self.dir / WANDB_DIR, ignore_errors=True)
@@ -423,6 +474,8 @@ class CellRecorder:
 
     def record(self, step: int, record: Mapping[str, float]) -> None:
         assert self._log is not None, "start() first"
+        if self.claim is not None and self.claim.lost:  # seen by the heartbeat: stop at the next step
+            self.claim.check()
         row = {"step": step, **record}
         self._log.write(json.dumps(_json_safe(row), allow_nan=False) + "\n")
         self._log.flush()
@@ -432,9 +485,13 @@ class CellRecorder:
         self.warnings.append(message)
 
     def complete(self, summary: Mapping[str, Any]) -> None:
-        """Parquet records, summary, then the status: a crash before the last leaves a rerun."""
+        """Parquet records, summary, then the status: a crash before the last leaves a rerun.
+
+        Each write is fenced: a worker that lost its claim stops with :class:`ClaimLost` before it.
+        """
         self._close_log()
         self._write_parquet()
+        self._fence()
         atomic_write_json(self.dir / SUMMARY_FILE, summary)
         self._write_status(CellState.COMPLETE, None, None)
 
@@ -444,12 +501,20 @@ class CellRecorder:
         Best effort: it runs while an error propagates (a full disk among them), so a write that
         fails here is logged, never raised over the original error. If even the status cannot be
         written, it stays ``running`` with no live claim, which every reader treats as unfinished.
+        A worker that lost its claim writes nothing.
         """
         self._close_log()
+        if self.claim is not None:
+            try:
+                self.claim.check()
+            except ClaimLost as lost:
+                if not isinstance(error, ClaimLost):  # else the error on its way up says it
+                    log.warning("%s", lost)
+                return
         for write in (self._write_parquet, lambda: self._write_status(state, error, tb)):
             try:
                 write()
-            except OSError as failure:
+            except (OSError, ClaimLost) as failure:
                 log.warning("%s: could not record the %s attempt (%s)", self.dir, state.value, failure)
 
     def _close_log(self) -> None:
@@ -463,6 +528,7 @@ class CellRecorder:
     def _write_parquet(self) -> None:
         records = self.records
         if not records.empty:
+            self._fence()
             atomic_write(self.dir / RECORDS_FILE, lambda tmp: records.to_parquet(tmp, index=False))
 
     def _write_status(self, state: CellState, error: BaseException | None, tb: str | None) -> None:
@@ -471,6 +537,7 @@ class CellRecorder:
             "error": None if error is None else describe_error(error), "traceback": tb,
         })
         path = self.dir / STATUS_FILE
+        self._fence()
         try:
             atomic_write_json(path, self._status)
         except OSError as failure:
