@@ -31,6 +31,7 @@ from ablate.progress import Progress
 from ablate.store import (
     CELL_FILE,
     CellBusy,
+    CellIdentity,
     CellRecorder,
     CellState,
     ClaimLost,
@@ -107,10 +108,11 @@ def run_cell(cfg: DictConfig) -> dict[str, Any]:
         run_id = wandb_run_id(directory)
         recorder = CellRecorder(directory, claim)
         recorder.start(
-            {"cell_id": cell.cell_id, "name": cell.name, "sweep": cell.sweep, "backend": cell.backend.name,
-             "policy": cell.policy, "budget": cell.budget, "seed": cell.seed, "trial": cell.trial,
-             "variant": cell.variant, "settings": cell.policy_settings, "schema_version": resolved["schema_version"],
-             "wandb_run_id": run_id},
+            CellIdentity(
+                cell_id=cell.cell_id, name=cell.name, sweep=cell.sweep, backend=cell.backend.name, policy=cell.policy,
+                budget=cell.budget, seed=cell.seed, trial=cell.trial, variant=cell.variant,
+                settings=cell.policy_settings, schema_version=resolved["schema_version"], wandb_run_id=run_id,
+            ).to_json(),
             OmegaConf.to_yaml(resolved), view.attempt + 1,
         )
         return _run_started_cell(cfg, cell, resolved, recorder, run_id)

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from enum import Enum
 from pathlib import Path
@@ -107,6 +107,80 @@ class CellView:
     attempt: int
     #: The recorded error of a failed or interrupted cell, why a cell is corrupt, or who runs it.
     detail: str | None = None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class CellIdentity:
+    """The fields of ``cell.json``: which cell a directory holds. The runner writes it, every reader reads it here."""
+
+    cell_id: str
+    #: The human name (``fisher-b0.25-s3``); the directory is ``<name>-<cell_id[:8]>``.
+    name: str
+    backend: str
+    policy: str
+    budget: float
+    seed: int
+    sweep: str | None = None
+    schema_version: str | None = None
+    #: The Optuna trial number of a study's cell.
+    trial: int | None = None
+    #: The policy's non-default settings, ``tau=1.0`` ("" for defaults): with the policy, the arm.
+    variant: str = ""
+    settings: dict[str, Any] = field(default_factory=dict)
+    #: The cell's one W&B run id, kept across attempts.
+    wandb_run_id: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], path: Path) -> "CellIdentity":
+        """Check every field's type and range; a wrong one is a :class:`StoreError` naming it."""
+        checks: dict[str, tuple[Any, str]] = {
+            "cell_id": (lambda v: isinstance(v, str) and len(v) >= 8, "a hex identity of at least 8 characters"),
+            "name": (lambda v: isinstance(v, str) and bool(v), "a cell name"),
+            "backend": (lambda v: isinstance(v, str) and bool(v), "a backend name"),
+            "policy": (lambda v: isinstance(v, str) and bool(v), "a policy name"),
+            "budget": (lambda v: (_is_int(v) or isinstance(v, float)) and 0 <= v <= 1, "a number in [0, 1]"),
+            "seed": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+            "sweep": (lambda v: v is None or isinstance(v, str), "a sweep name"),
+            "schema_version": (lambda v: v is None or isinstance(v, str), "a version string"),
+            "trial": (lambda v: v is None or (_is_int(v) and v >= 0), "null or an integer >= 0"),
+            "variant": (lambda v: isinstance(v, str), "a string"),
+            "settings": (lambda v: isinstance(v, dict), "a mapping of policy settings"),
+            "wandb_run_id": (lambda v: v is None or isinstance(v, str), "null or a W&B run id"),
+        }
+        values: dict[str, Any] = {}
+        for spec in fields(cls):
+            if spec.name not in data:
+                if spec.default is not MISSING or spec.default_factory is not MISSING:
+                    continue  # written by an older ablate, or not this kind of cell (trial)
+                raise StoreError(f"{path}: corrupt cell identity: no {spec.name}; expected {checks[spec.name][1]}")
+            value = data[spec.name]
+            ok, expected = checks[spec.name]
+            if not ok(value):
+                raise StoreError(f"{path}: corrupt cell identity: {spec.name}={value!r}; expected {expected}")
+            values[spec.name] = float(value) if spec.name == "budget" else value
+        return cls(**values)
+
+
+def read_identity(cell_dir: Path) -> CellIdentity:
+    """A cell's ``cell.json``, checked field by field and against its directory's name."""
+    path = cell_dir / CELL_FILE
+    identity = CellIdentity.from_json(read_json(path), path)
+    if cell_dir.name != f"{identity.name}-{identity.cell_id[:8]}":
+        raise StoreError(f"{path}: corrupt cell identity: it names the cell {identity.name}-{identity.cell_id[:8]}, "
+                         f"not the directory {cell_dir.name} it is in")
+    return identity
+
+
+def cell_directories(sweep_path: Path) -> list[Path]:
+    """The cells of a sweep directory: each entry with a ``cell.json`` (written when a cell is claimed)."""
+    return sorted(p.parent for p in sweep_path.glob(f"*/{CELL_FILE}") if not p.parent.name.startswith("_"))
 
 
 def now() -> str:
@@ -388,8 +462,9 @@ def inspect_cell(directory: Path, cell_id: str | None = None) -> CellView:
 
     ``cell_id``, when given, must match the identity in ``cell.json`` for the cell to count as
     complete: a directory of another config under the same name is not this cell's result. A
-    complete cell counts only when its summary and Parquet records read back (the Parquet footer
-    is checked, not every row), so a damaged cell is rerun instead of skipped.
+    complete cell counts only when its identity (every field of :class:`CellIdentity`, and the
+    directory it names), config, summary and Parquet records read back (the Parquet footer is
+    checked, not every row), so a damaged cell is rerun instead of skipped, and read by no analysis.
     """
     try:
         status = read_json(directory / STATUS_FILE)
@@ -412,15 +487,17 @@ def inspect_cell(directory: Path, cell_id: str | None = None) -> CellView:
                         f"{directory / STATUS_FILE}: unknown status {recorded!r}; expected running, complete, "
                         "failed or interrupted")
     try:
-        identity = read_json(directory / CELL_FILE)
+        identity = read_identity(directory)
         read_json(directory / SUMMARY_FILE)
         _check_parquet(directory / RECORDS_FILE)
+        if not (directory / CONFIG_FILE).is_file():
+            raise FileNotFoundError(errno.ENOENT, "missing", str(directory / CONFIG_FILE))
     except FileNotFoundError as error:
         return CellView(directory, CellState.CORRUPT, attempt, f"{error.filename}: missing, but the cell is complete")
     except StoreError as error:
         return CellView(directory, CellState.CORRUPT, attempt, str(error))
-    if cell_id is not None and identity.get("cell_id") != cell_id:
-        return CellView(directory, CellState.NEW, attempt, f"holds another cell ({identity.get('cell_id')})")
+    if cell_id is not None and identity.cell_id != cell_id:
+        return CellView(directory, CellState.NEW, attempt, f"holds another cell ({identity.cell_id})")
     return CellView(directory, CellState.COMPLETE, attempt)
 
 
