@@ -218,7 +218,7 @@ def run_cell_from_cli(cfg: DictConfig) -> float | list[float]:
         _exit(str(error), 2)
     except CellBusy as error:
         _exit(f"{error}: not started; run it again once that worker is done", 1)
-    except ClaimLost as error:
+    except (ClaimLost, StoreError) as error:  # nothing (more) written: the line says why
         _exit(str(error), 1)
     except KeyboardInterrupt as error:
         interrupted = as_interrupted(error)

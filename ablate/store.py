@@ -325,7 +325,9 @@ def holder_is_alive(holder: Mapping[str, Any], heartbeat_age: float) -> bool:
     on another host is alive while its heartbeat is fresher than ``STALE_AFTER``.
     """
     if holder.get("host") != socket.gethostname():
-        return heartbeat_age <= STALE_AFTER
+        # A heartbeat further in the future than the stale limit comes from a clock that cannot be
+        # trusted; counting it as fresh would keep every other worker waiting until that time.
+        return -STALE_AFTER <= heartbeat_age <= STALE_AFTER
     try:
         pid = int(holder["pid"])
     except (KeyError, TypeError, ValueError):
@@ -416,6 +418,8 @@ def claim(cell_dir: Path) -> Claim:
     that both find it stale cannot both win.
     """
     path = cell_dir / CLAIM_FILE
+    if path.is_dir():
+        raise StoreError(f"{path}: a directory where the cell's claim file should be; remove it, then run again")
     identity = this_process()
     mine = cell_dir / f".claim.{identity['host']}.{identity['pid']}"
     try:
@@ -427,11 +431,23 @@ def claim(cell_dir: Path) -> Claim:
                 holder = claim_holder(path)
                 if holder is not None:
                     raise CellBusy(f"{cell_dir.name} is being run by {describe_holder(holder)}") from None
+                _log_takeover(path)
                 os.replace(mine, path)  # atomic takeover, serialised by the lock
     finally:
         mine.unlink(missing_ok=True)
     remove_dead_writers_files(cell_dir)
     return Claim(path, identity)
+
+
+def _log_takeover(path: Path) -> None:
+    """Say whose stale claim is taken over, and why when its heartbeat is in the future."""
+    try:
+        holder, age = read_json(path), time.time() - path.stat().st_mtime
+    except (OSError, StoreError):
+        return
+    why = (f"its heartbeat is {-age:.0f} s in the future (a clock off by more than {STALE_AFTER:g} s)" if age < 0
+           else f"its heartbeat is {age:.0f} s old")
+    log.warning("%s: taking over the stale claim of %s: %s", path.parent.name, describe_holder(holder), why)
 
 
 def remove_dead_writers_files(cell_dir: Path) -> None:
@@ -446,12 +462,22 @@ def remove_dead_writers_files(cell_dir: Path) -> None:
 
 @contextmanager
 def held(cell_dir: Path) -> Iterator[Claim]:
-    cell_dir.mkdir(parents=True, exist_ok=True)
+    make_directory(cell_dir, "the cell's directory")
     taken = claim(cell_dir)
     try:
         yield taken
     finally:
         taken.release()
+
+
+def make_directory(path: Path, what: str) -> None:
+    """``mkdir -p``, failing with one :class:`StoreError` that says what stands in the way."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise StoreError(f"{path}: a file where {what} should be; move it away, then run again") from None
+    except OSError as error:
+        raise StoreError(f"{path}: cannot create {what} ({error.strerror}); the run store must be writable") from None
 
 
 # --- reading a cell's state -----------------------------------------------------------------
@@ -466,6 +492,13 @@ def inspect_cell(directory: Path, cell_id: str | None = None) -> CellView:
     directory it names), config, summary and Parquet records read back (the Parquet footer is
     checked, not every row), so a damaged cell is rerun instead of skipped, and read by no analysis.
     """
+    if directory.exists() and not directory.is_dir():
+        return CellView(directory, CellState.CORRUPT, 0,
+                        f"{directory}: a file where the cell's directory should be; move it away, then run again")
+    if (directory / CLAIM_FILE).is_dir():
+        return CellView(directory, CellState.CORRUPT, 0,
+                        f"{directory / CLAIM_FILE}: a directory where the cell's claim file should be; remove it, "
+                        "then run again")
     try:
         status = read_json(directory / STATUS_FILE)
     except FileNotFoundError:

@@ -21,8 +21,10 @@ from ablate.store import (
     CellRecorder,
     CellState,
     Claim,
+    StoreError,
     claim,
     claim_holder,
+    held,
     inspect_cell,
     read_json,
     read_records,
@@ -131,6 +133,49 @@ def test_claims_of_other_hosts_live_by_their_heartbeat(tmp_path):
     holder = {"host": "another-host", "pid": 1, "process_start": 1.0}
     assert claim_holder(write_claim(tmp_path, holder, age_seconds=STALE_AFTER / 2)) is not None
     assert claim_holder(write_claim(tmp_path, holder, age_seconds=STALE_AFTER * 2)) is None
+
+
+def test_a_claim_of_another_host_with_a_heartbeat_far_in_the_future_is_not_waited_for(tmp_path, caplog):
+    """Issue 18: such a claim used to keep every worker waiting, silently, until its time + 2 minutes."""
+    holder = {"host": "another-host", "pid": 77, "process_start": 1.0, "since": "2030-01-01T00:00:00+00:00"}
+    assert claim_holder(write_claim(tmp_path, holder, age_seconds=-STALE_AFTER / 2)) is not None  # clock skew
+    write_claim(tmp_path, holder, age_seconds=-3600)
+    assert claim_holder(tmp_path / "claim.json") is None
+    with caplog.at_level("WARNING", logger="ablate.store"):
+        claim(tmp_path).release()
+    assert "taking over the stale claim of pid 77 on another-host since 2030-01-01T00:00:00+00:00: its heartbeat " \
+           "is 3600 s in the future" in caplog.text
+
+
+def test_a_claim_that_is_a_directory_or_a_cell_path_that_is_a_file_is_named(tmp_path):
+    """Issue 18: these used to be swallowed and tallied as "killed or crashed ... a rerun runs it"."""
+    cell = cell_dir(tmp_path, "x")
+    (cell / "claim.json").mkdir(parents=True)
+    view = inspect_cell(cell)
+    assert view.state is CellState.CORRUPT and view.detail.startswith(f"{cell / 'claim.json'}: a directory where")
+    with pytest.raises(StoreError, match="a directory where the cell's claim file should be; remove it"):
+        claim(cell)
+    squatted = cell_dir(tmp_path, "y")
+    squatted.write_text("")
+    assert inspect_cell(squatted).state is CellState.CORRUPT
+    assert "a file where the cell's directory should be" in inspect_cell(squatted).detail
+    with pytest.raises(StoreError, match=f"{squatted}: a file where the cell's directory should be"):
+        with held(squatted):
+            pass
+
+
+def test_a_read_only_store_is_one_error_naming_the_directory(tmp_path):
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here ({done.stderr.decode().strip()})")
+    try:
+        with pytest.raises(StoreError, match=r"runs/s/x: cannot create the cell's directory \(Read-only file system\)"):
+            with held(mount / "runs" / "s" / "x"):
+                pass
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
 
 
 def test_the_heartbeat_keeps_a_claim_fresh_without_steps(tmp_path):

@@ -123,7 +123,7 @@ class AblateGridSweeper(BasicSweeper):
         from ablate.cell import ConfigError
         from ablate.interrupts import as_interrupted, signals_interrupt
         from ablate.overrides import quoted_override
-        from ablate.store import store_root
+        from ablate.store import StoreError, make_directory, store_root
         from ablate.sweep import ProgressReporter, describe_plan, plan_grid, tally, wait_for_others
 
         assert self.config is not None and self.launcher is not None and self.hydra_context is not None
@@ -149,7 +149,11 @@ class AblateGridSweeper(BasicSweeper):
             return []
 
         sweep_dir = Path(self.config.hydra.sweep.dir)
-        sweep_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            make_directory(sweep_dir, "the sweep's directory")
+        except StoreError as error:
+            print(f"ablate: {error}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
 
         to_launch = [cell for cell in planned if cell.to_launch]
