@@ -477,7 +477,7 @@ def make_directory(path: Path, what: str) -> None:
     except FileExistsError:
         raise StoreError(f"{path}: a file where {what} should be; move it away, then run again") from None
     except OSError as error:
-        raise StoreError(f"{path}: cannot create {what} ({error.strerror}); the run store must be writable") from None
+        raise StoreError(f"{path}: cannot create {what} ({error.strerror}); expected a writable directory") from None
 
 
 # --- reading a cell's state -----------------------------------------------------------------

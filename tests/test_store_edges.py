@@ -59,3 +59,20 @@ def test_a_read_only_store_ends_a_sweep_with_one_line(tmp_path):
     assert done.returncode == 1 and "Traceback" not in done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"ablate: {mount / 'runs'}") and "Read-only file system" in lines[0]
+
+
+def test_an_analysis_into_a_read_only_folder_ends_with_one_line(tmp_path):
+    assert ablate(tmp_path, "-m", "backend=noop", "backend.steps=3", "policy=none", "seed=0,1",
+                  "tracking.mode=disabled").returncode == 0
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mount)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here ({mounted.stderr.decode().strip()})")
+    try:
+        done = ablate(tmp_path, "runs/adhoc", "--no-plots", "--out", str(mount / "out"), module="ablate.analysis")
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == (f"ablate-analyze: {mount / 'out'}: cannot create the analysis output folder "
+                                   "(Read-only file system); expected a writable directory")
