@@ -29,6 +29,17 @@ from ablate.routes import Routes
 FIXED_BUDGETS = {"none": 0.0, "full": 1.0}
 
 
+def budget_label(budget: float) -> str:
+    """A budget as text that tells every two distinct budgets apart: ``0.25``, ``1``, ``0.999999999``.
+
+    Six significant digits (``:g``) where they read back as the same number, so common budgets
+    keep their short names; otherwise the shortest text that does (``repr``), so that 0.999999999,
+    0.9999999999999999 and 1 never share a cell name or a table row.
+    """
+    short = f"{budget:g}"
+    return short if float(short) == budget else repr(float(budget))
+
+
 class BudgetError(ValueError):
     """A budget that is not a fraction in [0, 1], or that contradicts its policy."""
 

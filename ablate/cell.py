@@ -16,7 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ablate.budget import FIXED_BUDGETS, check_budget
+from ablate.budget import FIXED_BUDGETS, budget_label, check_budget
 from ablate.config import AppConfig, BackendConfig, ConfigError, FisherEstimateConfig, choice_value
 from ablate.diagnostics import SCHEMA_VERSION
 from ablate.fisher import FisherTracker
@@ -79,7 +79,7 @@ def cell_name(policy: str, budget: float, seed: int, trial: int | None = None, v
     they share policy, budget and seed.
     """
     arm = f"{policy}+{UNSAFE_IN_NAME.sub('_', variant)}" if variant else policy
-    name = f"{arm}-s{seed}" if policy in FIXED_BUDGETS else f"{arm}-b{budget:g}-s{seed}"
+    name = f"{arm}-s{seed}" if policy in FIXED_BUDGETS else f"{arm}-b{budget_label(budget)}-s{seed}"
     return name if trial is None else f"{name}-t{trial}"
 
 

@@ -318,6 +318,11 @@ class TrackingConfig:
         require_positive(f"{k}.init_timeout", self.init_timeout)
 
 
+#: The largest cell seed: vLLM, SGLang and numpy's legacy seeding take 32-bit seeds, and the synthetic
+#: backend derives its streams' seeds from it (``seed * 7919 + k``) within torch's 64-bit range.
+MAX_SEED = 2**31 - 1
+
+
 @dataclass
 class AppConfig:
     backend: BackendConfig = MISSING
@@ -341,7 +346,7 @@ class AppConfig:
         self.backend.check()
         self.policy.check()
         self.tracking.check()
-        require_int("seed", self.seed, 0)
+        require_int("seed", self.seed, 0, MAX_SEED, "2**31 - 1, the largest seed every backend's generators take")
         if self.trial is not None:
             require_int("trial", self.trial, 0)
         require(bool(self.store_dir), "store_dir", self.store_dir, "a directory for the run store")

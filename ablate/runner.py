@@ -31,8 +31,10 @@ from ablate.progress import Progress
 from ablate.store import (
     CELL_FILE,
     CellBusy,
+    CellIdentity,
     CellRecorder,
     CellState,
+    ClaimLost,
     StoreError,
     describe_error,
     held,
@@ -83,6 +85,8 @@ def run_cell(cfg: DictConfig) -> dict[str, Any]:
 
     Raises :class:`~ablate.cell.ConfigError` for a bad config (nothing written),
     :class:`~ablate.store.CellBusy` when another live worker holds the cell,
+    :class:`~ablate.store.ClaimLost` when another worker took the cell over while this one was
+    paused (nothing more is written),
     :class:`~ablate.interrupts.Interrupted` on Ctrl-C or SIGTERM (the cell is recorded as
     interrupted), and the backend's own error when the cell fails (recorded as failed).
     """
@@ -97,17 +101,18 @@ def run_cell(cfg: DictConfig) -> dict[str, Any]:
     if preflight is not None:  # a launch that cannot work fails here, before the cell is written
         preflight(cell)
     resolved = resolved_config(cfg)
-    with signals_interrupt(), held(directory):
+    with signals_interrupt(), held(directory) as claim:
         view = inspect_cell(directory, cell.cell_id)
         if view.state is CellState.COMPLETE:  # another worker finished it while we looked
             return {**read_summary(directory), "skipped": True}
         run_id = wandb_run_id(directory)
-        recorder = CellRecorder(directory)
+        recorder = CellRecorder(directory, claim)
         recorder.start(
-            {"cell_id": cell.cell_id, "name": cell.name, "sweep": cell.sweep, "backend": cell.backend.name,
-             "policy": cell.policy, "budget": cell.budget, "seed": cell.seed, "trial": cell.trial,
-             "variant": cell.variant, "settings": cell.policy_settings, "schema_version": resolved["schema_version"],
-             "wandb_run_id": run_id},
+            CellIdentity(
+                cell_id=cell.cell_id, name=cell.name, sweep=cell.sweep, backend=cell.backend.name, policy=cell.policy,
+                budget=cell.budget, seed=cell.seed, trial=cell.trial, variant=cell.variant,
+                settings=cell.policy_settings, schema_version=resolved["schema_version"], wandb_run_id=run_id,
+            ).to_json(),
             OmegaConf.to_yaml(resolved), view.attempt + 1,
         )
         return _run_started_cell(cfg, cell, resolved, recorder, run_id)
@@ -213,6 +218,8 @@ def run_cell_from_cli(cfg: DictConfig) -> float | list[float]:
         _exit(str(error), 2)
     except CellBusy as error:
         _exit(f"{error}: not started; run it again once that worker is done", 1)
+    except (ClaimLost, StoreError) as error:  # nothing (more) written: the line says why
+        _exit(str(error), 1)
     except KeyboardInterrupt as error:
         interrupted = as_interrupted(error)
         cell = cell_from_config(cfg)

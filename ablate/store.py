@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from enum import Enum
 from pathlib import Path
@@ -63,6 +63,15 @@ class StoreError(RuntimeError):
 
 class CellBusy(RuntimeError):
     """Another live worker holds the cell's claim."""
+
+
+class ClaimLost(RuntimeError):
+    """This worker no longer holds the claim of the cell it runs: another worker took the cell over.
+
+    It happens to a worker paused or stalled longer than the stale limit (a SLURM suspend, a VM
+    pause, an NFS stall): its claim looked dead and was taken. The worker must write nothing more
+    to the cell, whose files are now the other worker's.
+    """
 
 
 class CellState(str, Enum):
@@ -98,6 +107,80 @@ class CellView:
     attempt: int
     #: The recorded error of a failed or interrupted cell, why a cell is corrupt, or who runs it.
     detail: str | None = None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class CellIdentity:
+    """The fields of ``cell.json``: which cell a directory holds. The runner writes it, every reader reads it here."""
+
+    cell_id: str
+    #: The human name (``fisher-b0.25-s3``); the directory is ``<name>-<cell_id[:8]>``.
+    name: str
+    backend: str
+    policy: str
+    budget: float
+    seed: int
+    sweep: str | None = None
+    schema_version: str | None = None
+    #: The Optuna trial number of a study's cell.
+    trial: int | None = None
+    #: The policy's non-default settings, ``tau=1.0`` ("" for defaults): with the policy, the arm.
+    variant: str = ""
+    settings: dict[str, Any] = field(default_factory=dict)
+    #: The cell's one W&B run id, kept across attempts.
+    wandb_run_id: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], path: Path) -> "CellIdentity":
+        """Check every field's type and range; a wrong one is a :class:`StoreError` naming it."""
+        checks: dict[str, tuple[Any, str]] = {
+            "cell_id": (lambda v: isinstance(v, str) and len(v) >= 8, "a hex identity of at least 8 characters"),
+            "name": (lambda v: isinstance(v, str) and bool(v), "a cell name"),
+            "backend": (lambda v: isinstance(v, str) and bool(v), "a backend name"),
+            "policy": (lambda v: isinstance(v, str) and bool(v), "a policy name"),
+            "budget": (lambda v: (_is_int(v) or isinstance(v, float)) and 0 <= v <= 1, "a number in [0, 1]"),
+            "seed": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+            "sweep": (lambda v: v is None or isinstance(v, str), "a sweep name"),
+            "schema_version": (lambda v: v is None or isinstance(v, str), "a version string"),
+            "trial": (lambda v: v is None or (_is_int(v) and v >= 0), "null or an integer >= 0"),
+            "variant": (lambda v: isinstance(v, str), "a string"),
+            "settings": (lambda v: isinstance(v, dict), "a mapping of policy settings"),
+            "wandb_run_id": (lambda v: v is None or isinstance(v, str), "null or a W&B run id"),
+        }
+        values: dict[str, Any] = {}
+        for spec in fields(cls):
+            if spec.name not in data:
+                if spec.default is not MISSING or spec.default_factory is not MISSING:
+                    continue  # written by an older ablate, or not this kind of cell (trial)
+                raise StoreError(f"{path}: corrupt cell identity: no {spec.name}; expected {checks[spec.name][1]}")
+            value = data[spec.name]
+            ok, expected = checks[spec.name]
+            if not ok(value):
+                raise StoreError(f"{path}: corrupt cell identity: {spec.name}={value!r}; expected {expected}")
+            values[spec.name] = float(value) if spec.name == "budget" else value
+        return cls(**values)
+
+
+def read_identity(cell_dir: Path) -> CellIdentity:
+    """A cell's ``cell.json``, checked field by field and against its directory's name."""
+    path = cell_dir / CELL_FILE
+    identity = CellIdentity.from_json(read_json(path), path)
+    if cell_dir.name != f"{identity.name}-{identity.cell_id[:8]}":
+        raise StoreError(f"{path}: corrupt cell identity: it names the cell {identity.name}-{identity.cell_id[:8]}, "
+                         f"not the directory {cell_dir.name} it is in")
+    return identity
+
+
+def cell_directories(sweep_path: Path) -> list[Path]:
+    """The cells of a sweep directory: each entry with a ``cell.json`` (written when a cell is claimed)."""
+    return sorted(p.parent for p in sweep_path.glob(f"*/{CELL_FILE}") if not p.parent.name.startswith("_"))
 
 
 def now() -> str:
@@ -242,7 +325,9 @@ def holder_is_alive(holder: Mapping[str, Any], heartbeat_age: float) -> bool:
     on another host is alive while its heartbeat is fresher than ``STALE_AFTER``.
     """
     if holder.get("host") != socket.gethostname():
-        return heartbeat_age <= STALE_AFTER
+        # A heartbeat further in the future than the stale limit comes from a clock that cannot be
+        # trusted; counting it as fresh would keep every other worker waiting until that time.
+        return -STALE_AFTER <= heartbeat_age <= STALE_AFTER
     try:
         pid = int(holder["pid"])
     except (KeyError, TypeError, ValueError):
@@ -275,6 +360,8 @@ class Claim:
 
     def __init__(self, path: Path, identity: Mapping[str, Any], heartbeat_every: float = HEARTBEAT_EVERY) -> None:
         self.path, self.identity = path, dict(identity)
+        #: Set once the claim is found to be another worker's; it never comes back.
+        self.lost = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, args=(heartbeat_every,), daemon=True,
                                         name=f"claim-heartbeat-{path.parent.name}")
@@ -282,6 +369,9 @@ class Claim:
 
     def _beat(self, every: float) -> None:
         while not self._stop.wait(every):
+            if not self.owned():  # never keep another worker's claim alive
+                self.lost = True
+                return
             try:
                 os.utime(self.path)
             except OSError as error:
@@ -293,6 +383,25 @@ class Claim:
         except (FileNotFoundError, StoreError):
             return False
         return all(held.get(k) == self.identity[k] for k in ("host", "pid", "process_start"))
+
+    def check(self) -> None:
+        """The fence: raise :class:`ClaimLost` unless this worker still holds the claim.
+
+        Called before every write that marks the cell (its identity, status, records, summary),
+        so that a worker that resumes after losing its claim cannot overwrite the result of the
+        worker that took the cell over.
+        """
+        if not self.lost and self.owned():
+            return
+        self.lost = True
+        try:
+            now_held = f"now held by {describe_holder(read_json(self.path))}"
+        except (FileNotFoundError, StoreError):
+            now_held = "since taken over and released"
+        raise ClaimLost(
+            f"{self.path.parent.name}: this worker ({describe_holder(self.identity)}) lost its claim on the cell, "
+            f"{now_held}: it was paused or stalled past the {STALE_AFTER:g} s stale limit and another worker took "
+            f"the cell over; it stops without writing, the cell's files are the other worker's ({self.path.parent})")
 
     def release(self) -> None:
         self._stop.set()
@@ -309,6 +418,8 @@ def claim(cell_dir: Path) -> Claim:
     that both find it stale cannot both win.
     """
     path = cell_dir / CLAIM_FILE
+    if path.is_dir():
+        raise StoreError(f"{path}: a directory where the cell's claim file should be; remove it, then run again")
     identity = this_process()
     mine = cell_dir / f".claim.{identity['host']}.{identity['pid']}"
     try:
@@ -320,20 +431,53 @@ def claim(cell_dir: Path) -> Claim:
                 holder = claim_holder(path)
                 if holder is not None:
                     raise CellBusy(f"{cell_dir.name} is being run by {describe_holder(holder)}") from None
+                _log_takeover(path)
                 os.replace(mine, path)  # atomic takeover, serialised by the lock
     finally:
         mine.unlink(missing_ok=True)
+    remove_dead_writers_files(cell_dir)
     return Claim(path, identity)
+
+
+def _log_takeover(path: Path) -> None:
+    """Say whose stale claim is taken over, and why when its heartbeat is in the future."""
+    try:
+        holder, age = read_json(path), time.time() - path.stat().st_mtime
+    except (OSError, StoreError):
+        return
+    why = (f"its heartbeat is {-age:.0f} s in the future (a clock off by more than {STALE_AFTER:g} s)" if age < 0
+           else f"its heartbeat is {age:.0f} s old")
+    log.warning("%s: taking over the stale claim of %s: %s", path.parent.name, describe_holder(holder), why)
+
+
+def remove_dead_writers_files(cell_dir: Path) -> None:
+    """Remove the temporary files of atomic writes that a killed writer left in ``cell_dir``.
+
+    Only the claim's holder writes a cell's files, so once the claim is taken every temporary
+    file in the directory belongs to a writer that is gone (kill -9, the OOM killer, a lost node).
+    """
+    for tmp in cell_dir.glob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
 
 
 @contextmanager
 def held(cell_dir: Path) -> Iterator[Claim]:
-    cell_dir.mkdir(parents=True, exist_ok=True)
+    make_directory(cell_dir, "the cell's directory")
     taken = claim(cell_dir)
     try:
         yield taken
     finally:
         taken.release()
+
+
+def make_directory(path: Path, what: str) -> None:
+    """``mkdir -p``, failing with one :class:`StoreError` that says what stands in the way."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise StoreError(f"{path}: a file where {what} should be; move it away, then run again") from None
+    except OSError as error:
+        raise StoreError(f"{path}: cannot create {what} ({error.strerror}); expected a writable directory") from None
 
 
 # --- reading a cell's state -----------------------------------------------------------------
@@ -344,9 +488,17 @@ def inspect_cell(directory: Path, cell_id: str | None = None) -> CellView:
 
     ``cell_id``, when given, must match the identity in ``cell.json`` for the cell to count as
     complete: a directory of another config under the same name is not this cell's result. A
-    complete cell counts only when its summary and Parquet records read back (the Parquet footer
-    is checked, not every row), so a damaged cell is rerun instead of skipped.
+    complete cell counts only when its identity (every field of :class:`CellIdentity`, and the
+    directory it names), config, summary and Parquet records read back (the Parquet footer is
+    checked, not every row), so a damaged cell is rerun instead of skipped, and read by no analysis.
     """
+    if directory.exists() and not directory.is_dir():
+        return CellView(directory, CellState.CORRUPT, 0,
+                        f"{directory}: a file where the cell's directory should be; move it away, then run again")
+    if (directory / CLAIM_FILE).is_dir():
+        return CellView(directory, CellState.CORRUPT, 0,
+                        f"{directory / CLAIM_FILE}: a directory where the cell's claim file should be; remove it, "
+                        "then run again")
     try:
         status = read_json(directory / STATUS_FILE)
     except FileNotFoundError:
@@ -368,15 +520,17 @@ def inspect_cell(directory: Path, cell_id: str | None = None) -> CellView:
                         f"{directory / STATUS_FILE}: unknown status {recorded!r}; expected running, complete, "
                         "failed or interrupted")
     try:
-        identity = read_json(directory / CELL_FILE)
+        identity = read_identity(directory)
         read_json(directory / SUMMARY_FILE)
         _check_parquet(directory / RECORDS_FILE)
+        if not (directory / CONFIG_FILE).is_file():
+            raise FileNotFoundError(errno.ENOENT, "missing", str(directory / CONFIG_FILE))
     except FileNotFoundError as error:
         return CellView(directory, CellState.CORRUPT, attempt, f"{error.filename}: missing, but the cell is complete")
     except StoreError as error:
         return CellView(directory, CellState.CORRUPT, attempt, str(error))
-    if cell_id is not None and identity.get("cell_id") != cell_id:
-        return CellView(directory, CellState.NEW, attempt, f"holds another cell ({identity.get('cell_id')})")
+    if cell_id is not None and identity.cell_id != cell_id:
+        return CellView(directory, CellState.NEW, attempt, f"holds another cell ({identity.cell_id})")
     return CellView(directory, CellState.COMPLETE, attempt)
 
 
@@ -394,8 +548,10 @@ class CellRecorder:
     from what was logged without reading the files back.
     """
 
-    def __init__(self, cell_dir: Path) -> None:
+    def __init__(self, cell_dir: Path, claim: Claim | None = None) -> None:
         self.dir = cell_dir
+        #: The claim this recorder writes under: every write that marks the cell is fenced by it.
+        self.claim = claim
         self.warnings: list[str] = []
         self._rows: list[dict[str, Any]] = []
         self._status: dict[str, Any] = {}
@@ -406,9 +562,14 @@ class CellRecorder:
         """Every step recorded so far, as written to the step log."""
         return records_frame(self._rows)
 
+    def _fence(self) -> None:
+        if self.claim is not None:
+            self.claim.check()
+
     def start(self, cell: Mapping[str, Any], config_yaml: str, attempt: int) -> None:
         """Begin attempt ``attempt``: the previous attempt's records, summary and W&B run go."""
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._fence()
         for stale in ATTEMPT_FILES:
             (self.dir / stale).unlink(missing_ok=True)
         shutil.rmtree(self.dir / WANDB_DIR, ignore_errors=True)
@@ -423,6 +584,8 @@ class CellRecorder:
 
     def record(self, step: int, record: Mapping[str, float]) -> None:
         assert self._log is not None, "start() first"
+        if self.claim is not None and self.claim.lost:  # seen by the heartbeat: stop at the next step
+            self.claim.check()
         row = {"step": step, **record}
         self._log.write(json.dumps(_json_safe(row), allow_nan=False) + "\n")
         self._log.flush()
@@ -432,9 +595,13 @@ class CellRecorder:
         self.warnings.append(message)
 
     def complete(self, summary: Mapping[str, Any]) -> None:
-        """Parquet records, summary, then the status: a crash before the last leaves a rerun."""
+        """Parquet records, summary, then the status: a crash before the last leaves a rerun.
+
+        Each write is fenced: a worker that lost its claim stops with :class:`ClaimLost` before it.
+        """
         self._close_log()
         self._write_parquet()
+        self._fence()
         atomic_write_json(self.dir / SUMMARY_FILE, summary)
         self._write_status(CellState.COMPLETE, None, None)
 
@@ -444,12 +611,20 @@ class CellRecorder:
         Best effort: it runs while an error propagates (a full disk among them), so a write that
         fails here is logged, never raised over the original error. If even the status cannot be
         written, it stays ``running`` with no live claim, which every reader treats as unfinished.
+        A worker that lost its claim writes nothing.
         """
         self._close_log()
+        if self.claim is not None:
+            try:
+                self.claim.check()
+            except ClaimLost as lost:
+                if not isinstance(error, ClaimLost):  # else the error on its way up says it
+                    log.warning("%s", lost)
+                return
         for write in (self._write_parquet, lambda: self._write_status(state, error, tb)):
             try:
                 write()
-            except OSError as failure:
+            except (OSError, ClaimLost) as failure:
                 log.warning("%s: could not record the %s attempt (%s)", self.dir, state.value, failure)
 
     def _close_log(self) -> None:
@@ -463,6 +638,7 @@ class CellRecorder:
     def _write_parquet(self) -> None:
         records = self.records
         if not records.empty:
+            self._fence()
             atomic_write(self.dir / RECORDS_FILE, lambda tmp: records.to_parquet(tmp, index=False))
 
     def _write_status(self, state: CellState, error: BaseException | None, tb: str | None) -> None:
@@ -471,6 +647,7 @@ class CellRecorder:
             "error": None if error is None else describe_error(error), "traceback": tb,
         })
         path = self.dir / STATUS_FILE
+        self._fence()
         try:
             atomic_write_json(path, self._status)
         except OSError as failure:

@@ -113,6 +113,8 @@ def outcome(cell: PlannedCell) -> tuple[CellState, CellView]:
     view = inspect_cell(cell.directory, cell.cell.cell_id)
     if view.state in (CellState.COMPLETE, CellState.RUNNING):
         return view.state, view
+    if view.state is CellState.CORRUPT and cell.prior.state is CellState.CORRUPT and view.detail == cell.prior.detail:
+        return CellState.FAILED, view  # still the same damage: the detail says what to repair
     if view.attempt <= cell.prior.attempt and not cell.waited_for:
         return CellState.NEW, view
     if view.state is CellState.INTERRUPTED:

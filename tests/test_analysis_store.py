@@ -89,10 +89,11 @@ def sweep_dir(tmp_path):
 
 
 def test_load_runs_one_row_per_complete_cell_and_counts_the_rest(sweep_dir):
-    with pytest.warns(ExcludedCellsWarning, match="1 failed, 1 running"):
+    with pytest.warns(ExcludedCellsWarning, match="1 failed, 1 unfinished"):
         df = load_runs(sweep_dir)
     assert len(df) == len(list(_grid()))
-    assert df.attrs["excluded"] == {"failed": 1, "running": 1, "corrupt": 0}
+    # "running" with no live worker holding its claim: its worker was killed or crashed.
+    assert df.attrs["excluded"] == {"failed": 1, "interrupted": 0, "running": 0, "unfinished": 1, "corrupt": 0}
     assert {"backend", "policy", "budget", "seed", "status", "cell_id", "name", "sweep"} <= set(df.columns)
     assert set(OUTCOME_NAMES) <= set(df.columns)
     assert (df["status"] == "complete").all() and set(df["sweep"]) == {SWEEP}
@@ -138,7 +139,7 @@ def test_clean_store_warns_nothing(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         df = load_runs(sweep_dir)
-    assert df.attrs["excluded"] == {"failed": 0, "running": 0, "corrupt": 0}
+    assert df.attrs["excluded"] == {"failed": 0, "interrupted": 0, "running": 0, "unfinished": 0, "corrupt": 0}
 
 
 def test_cli_end_to_end(sweep_dir, capsys):
@@ -147,7 +148,7 @@ def test_cli_end_to_end(sweep_dir, capsys):
                  "--outcome", "final_reward", "--outcome", "kl_k3_mean"]) == 0
     out = sweep_dir / "analysis"
     printed = capsys.readouterr().out
-    assert "failed=1, running=1" in printed and "| policy | budget | mean" in printed
+    assert "failed=1, interrupted=0, running=0, unfinished=1" in printed and "| policy | budget | mean" in printed
     table = (out / "table_final_reward.md").read_text().strip().splitlines()
     assert len(table) == 2 + 2 + len(BUDGETS) * 3  # header, rule, none, full, budgeted cells
     for stem in ("table_kl_k3_mean.tex", "table_final_reward.parquet", "effects_final_reward.csv",

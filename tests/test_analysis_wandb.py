@@ -119,7 +119,7 @@ def test_load_runs_from_wandb_offline_runs(offline_env):
     assert (fisher["budget"], fisher["seed"], fisher["backend"]) == (0.5, 0, "synthetic")
     assert fisher["final_reward"] == pytest.approx(0.4 + 0.5)
     assert np.isclose(fisher["train/reward"], 0.9)
-    assert df.attrs["excluded"] == {"failed": 0, "running": 0, "corrupt": 0}
+    assert df.attrs["excluded"] == {"failed": 0, "interrupted": 0, "running": 0, "unfinished": 0, "corrupt": 0}
 
 
 def test_dashboard_from_the_cli_twice_leaves_one_summary_run(offline_env, capsys):

@@ -126,7 +126,8 @@ def test_every_bad_setting_fails_the_grid_before_anything_is_written(tmp_path):
     """
     store = tmp_path / "runs"
     for bad, named in [("objective=nope", "objective=nope"), ("policy.fisher.decay=1.5", "policy.fisher.decay=1.5"),
-                       ("sweep=../escape", "sweep='../escape'")]:
+                       ("sweep=../escape", "sweep='../escape'"),
+                       ("seed=0,9223372036854775807", "seed=9223372036854775807")]:  # issue 18, defect 8
         result = run(store, "-m", "backend=synthetic", "policy=fisher,random", "budget=0.1", "seed=0,1", bad,
                      "tracking.mode=disabled")
         assert result.returncode == 2, result.stdout + result.stderr
@@ -276,3 +277,13 @@ def test_the_same_cell_in_two_stores_logs_to_two_wandb_runs(tmp_path):
     assert ids[0] != ids[1] and all(len(i) == 16 for i in ids)
     assert wandb_run_id(only_cell(tmp_path / "a")) == ids[0]  # a later attempt keeps it
     assert wandb_run_id(first) != wandb_run_id(second)  # nothing kept yet: a fresh draw each
+
+
+def test_a_seed_out_of_range_is_refused_before_the_cell_is_written(tmp_path):
+    """Issue 18, defect 8: it used to write the cell, then fail in torch.manual_seed."""
+    store = tmp_path / "runs"
+    result = run(store, "backend=noop", "policy=none", "seed=9223372036854775807", "tracking.mode=disabled")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip() == ("ablate: seed=9223372036854775807: expected an integer in [0, 2147483647] "
+                                     "(2**31 - 1, the largest seed every backend's generators take)")
+    assert not store.exists() or not list(store.glob("*/*/cell.json"))

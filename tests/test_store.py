@@ -3,6 +3,7 @@
 import errno
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -13,14 +14,17 @@ import pandas as pd
 import psutil
 import pytest
 
+from ablate.analysis.load import CorruptCellError, ExcludedCellsWarning, load_runs
 from ablate.store import (
     STALE_AFTER,
     CellBusy,
     CellRecorder,
     CellState,
     Claim,
+    StoreError,
     claim,
     claim_holder,
+    held,
     inspect_cell,
     read_json,
     read_records,
@@ -131,6 +135,49 @@ def test_claims_of_other_hosts_live_by_their_heartbeat(tmp_path):
     assert claim_holder(write_claim(tmp_path, holder, age_seconds=STALE_AFTER * 2)) is None
 
 
+def test_a_claim_of_another_host_with_a_heartbeat_far_in_the_future_is_not_waited_for(tmp_path, caplog):
+    """Issue 18: such a claim used to keep every worker waiting, silently, until its time + 2 minutes."""
+    holder = {"host": "another-host", "pid": 77, "process_start": 1.0, "since": "2030-01-01T00:00:00+00:00"}
+    assert claim_holder(write_claim(tmp_path, holder, age_seconds=-STALE_AFTER / 2)) is not None  # clock skew
+    write_claim(tmp_path, holder, age_seconds=-3600)
+    assert claim_holder(tmp_path / "claim.json") is None
+    with caplog.at_level("WARNING", logger="ablate.store"):
+        claim(tmp_path).release()
+    assert "taking over the stale claim of pid 77 on another-host since 2030-01-01T00:00:00+00:00: its heartbeat " \
+           "is 3600 s in the future" in caplog.text
+
+
+def test_a_claim_that_is_a_directory_or_a_cell_path_that_is_a_file_is_named(tmp_path):
+    """Issue 18: these used to be swallowed and tallied as "killed or crashed ... a rerun runs it"."""
+    cell = cell_dir(tmp_path, "x")
+    (cell / "claim.json").mkdir(parents=True)
+    view = inspect_cell(cell)
+    assert view.state is CellState.CORRUPT and view.detail.startswith(f"{cell / 'claim.json'}: a directory where")
+    with pytest.raises(StoreError, match="a directory where the cell's claim file should be; remove it"):
+        claim(cell)
+    squatted = cell_dir(tmp_path, "y")
+    squatted.write_text("")
+    assert inspect_cell(squatted).state is CellState.CORRUPT
+    assert "a file where the cell's directory should be" in inspect_cell(squatted).detail
+    with pytest.raises(StoreError, match=f"{squatted}: a file where the cell's directory should be"):
+        with held(squatted):
+            pass
+
+
+def test_a_read_only_store_is_one_error_naming_the_directory(tmp_path):
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here ({done.stderr.decode().strip()})")
+    try:
+        with pytest.raises(StoreError, match=r"runs/s/x: cannot create the cell's directory \(Read-only file system\)"):
+            with held(mount / "runs" / "s" / "x"):
+                pass
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
 def test_the_heartbeat_keeps_a_claim_fresh_without_steps(tmp_path):
     path = tmp_path / "claim.json"
     taken = claim(tmp_path)
@@ -151,9 +198,22 @@ def test_the_heartbeat_keeps_a_claim_fresh_without_steps(tmp_path):
 # --- the one classification of a cell directory ---------------------------------------------
 
 
-def recorded_cell(directory, state="complete", steps=3, cell_id="c1"):
+#: A cell identity as the runner writes it; a cell's directory is ``<name>-<cell_id[:8]>``.
+CELL_ID = "c1" * 32
+
+
+def cell_dir(parent, name):
+    return parent / f"{name}-{CELL_ID[:8]}"
+
+
+def identity(directory, cell_id=CELL_ID):
+    return {"cell_id": cell_id, "name": directory.name.rsplit("-", 1)[0], "backend": "noop", "policy": "random",
+            "budget": 0.5, "seed": 0}
+
+
+def recorded_cell(directory, state="complete", steps=3, cell_id=CELL_ID):
     recorder = CellRecorder(directory)
-    recorder.start({"cell_id": cell_id, "name": "x"}, "a: 1\n", attempt=1)
+    recorder.start(identity(directory, cell_id), "a: 1\n", attempt=1)
     for step in range(steps):
         recorder.record(step, {"train/reward": float(step)})
     if state == "complete":
@@ -167,38 +227,89 @@ def recorded_cell(directory, state="complete", steps=3, cell_id="c1"):
 
 def test_every_state_of_a_cell_is_classified(tmp_path, stranger):
     assert inspect_cell(tmp_path / "never").state is CellState.NEW
-    recorded_cell(tmp_path / "done")
-    assert inspect_cell(tmp_path / "done", "c1").state is CellState.COMPLETE
-    assert inspect_cell(tmp_path / "done", "other-id").state is CellState.NEW  # another config, same name
-    recorded_cell(tmp_path / "failed", "failed")
-    view = inspect_cell(tmp_path / "failed")
+    recorded_cell(cell_dir(tmp_path, "done"))
+    assert inspect_cell(cell_dir(tmp_path, "done"), CELL_ID).state is CellState.COMPLETE
+    assert inspect_cell(cell_dir(tmp_path, "done"), "other-id").state is CellState.NEW  # another config, same name
+    recorded_cell(cell_dir(tmp_path, "failed"), "failed")
+    view = inspect_cell(cell_dir(tmp_path, "failed"))
     assert (view.state, view.attempt, view.detail) == (CellState.FAILED, 1, "RuntimeError: boom")
-    recorded_cell(tmp_path / "stopped", "interrupted")
-    assert inspect_cell(tmp_path / "stopped").state is CellState.INTERRUPTED
-    recorded_cell(tmp_path / "crashed", "running")
-    assert inspect_cell(tmp_path / "crashed").state is CellState.UNFINISHED  # nobody holds it
-    recorded_cell(tmp_path / "busy", "running")
-    write_claim(tmp_path / "busy", {"host": socket.gethostname(), "pid": stranger.pid,
+    recorded_cell(cell_dir(tmp_path, "stopped"), "interrupted")
+    assert inspect_cell(cell_dir(tmp_path, "stopped")).state is CellState.INTERRUPTED
+    recorded_cell(cell_dir(tmp_path, "crashed"), "running")
+    assert inspect_cell(cell_dir(tmp_path, "crashed")).state is CellState.UNFINISHED  # nobody holds it
+    recorded_cell(cell_dir(tmp_path, "busy"), "running")
+    write_claim(cell_dir(tmp_path, "busy"), {"host": socket.gethostname(), "pid": stranger.pid,
                                     "process_start": psutil.Process(stranger.pid).create_time()})
-    view = inspect_cell(tmp_path / "busy")
+    view = inspect_cell(cell_dir(tmp_path, "busy"))
     assert view.state is CellState.RUNNING and f"pid {stranger.pid}" in view.detail
     assert [s for s in CellState if not s.rerun] == [CellState.RUNNING, CellState.COMPLETE]
 
 
-@pytest.mark.parametrize("damage, named", [
+DAMAGE = [
     (lambda d: (d / "status.json").write_text('{"status": "comp'), "status.json"),
     (lambda d: (d / "status.json").write_text('{"status": "paused"}'), "unknown status 'paused'"),
     (lambda d: (d / "cell.json").write_text("{"), "cell.json"),
     (lambda d: (d / "summary.json").unlink(), "summary.json: missing"),
     (lambda d: (d / "records.parquet").unlink(), "records.parquet: missing"),
     (lambda d: (d / "records.parquet").write_bytes((d / "records.parquet").read_bytes()[:-20]), "records.parquet"),
-])
+    # Issue 18's rough edges: each of these is a corrupt cell, named as such.
+    (lambda d: rewrite(d / "cell.json", budget="abc"), "cell.json: corrupt cell identity: budget='abc'; expected a number"),
+    (lambda d: rewrite(d / "cell.json", policy=3), "policy=3; expected a policy name"),
+    (lambda d: rewrite(d / "cell.json", policy=None), "no policy; expected a policy name"),
+    (lambda d: rewrite(d / "cell.json", name="y"), f"names the cell y-{CELL_ID[:8]}, not the directory x-{CELL_ID[:8]}"),
+    (lambda d: (d / "config.yaml").unlink(), "config.yaml: missing"),
+    (lambda d: rewrite(d / "status.json", status=5), "unknown status 5"),
+    (lambda d: (d / "status.json").write_text("[]"), "expected a JSON object, found list"),
+]
+
+
+def rewrite(path, **fields):
+    """Change (or, with None, drop) fields of a JSON file of the store."""
+    data = {**read_json(path), **fields}
+    path.write_text(json.dumps({k: v for k, v in data.items() if v is not None}))
+
+
+@pytest.mark.parametrize("damage, named", DAMAGE)
 def test_a_damaged_complete_cell_is_corrupt_not_complete(tmp_path, damage, named):
-    recorded_cell(tmp_path)
-    damage(tmp_path)
-    view = inspect_cell(tmp_path, "c1")
+    directory = cell_dir(tmp_path, "x")
+    recorded_cell(directory)
+    damage(directory)
+    view = inspect_cell(directory, CELL_ID)
     assert view.state is CellState.CORRUPT and view.state.rerun
     assert named in view.detail
+
+
+# --- the analysis reads the store through the same classification ----------------------------
+
+
+@pytest.mark.parametrize("damage, named", DAMAGE)
+def test_the_analysis_loader_reads_a_damaged_cell_as_corrupt_and_names_it(tmp_path, damage, named):
+    sweep = tmp_path / "sweep"
+    recorded_cell(cell_dir(sweep, "good"))
+    damaged = cell_dir(sweep, "x")
+    recorded_cell(damaged)
+    damage(damaged)
+    with pytest.raises(CorruptCellError, match=re.escape(named)):
+        load_runs(sweep)
+    with pytest.warns(ExcludedCellsWarning, match="1 corrupt"):
+        frame = load_runs(sweep, on_corrupt="exclude")
+    assert frame["name"].tolist() == ["good"] and frame["policy"].tolist() == ["random"]  # no spurious arm
+    assert frame.attrs["excluded"] == {"failed": 0, "interrupted": 0, "running": 0, "unfinished": 0, "corrupt": 1}
+    assert named in frame.attrs["corrupt_files"][0]
+
+
+def test_the_analysis_loader_counts_every_state_as_the_store_classifies_it(tmp_path, stranger):
+    sweep = tmp_path / "sweep"
+    for label, state in [("done", "complete"), ("failed", "failed"), ("stopped", "interrupted"),
+                         ("crashed", "running"), ("busy", "running")]:
+        recorded_cell(cell_dir(sweep, label), state)
+    write_claim(cell_dir(sweep, "busy"), {"host": socket.gethostname(), "pid": stranger.pid,
+                                          "process_start": psutil.Process(stranger.pid).create_time()})
+    cell_dir(sweep, "claimed").mkdir()  # claimed, then killed before its first write: no cell yet
+    with pytest.warns(ExcludedCellsWarning, match="1 failed, 1 interrupted, 1 running, 1 unfinished"):
+        frame = load_runs(sweep)
+    assert frame["name"].tolist() == ["done"]
+    assert frame.attrs["excluded"] == {"failed": 1, "interrupted": 1, "running": 1, "unfinished": 1, "corrupt": 0}
 
 
 def test_the_recorder_returns_what_it_wrote(tmp_path):
@@ -212,7 +323,7 @@ def test_a_new_attempt_replaces_the_previous_attempts_results_and_wandb_run(tmp_
     recorded_cell(tmp_path, "failed", steps=5)
     (tmp_path / "wandb" / "offline-run-1-abc").mkdir(parents=True)
     recorder = CellRecorder(tmp_path)
-    recorder.start({"cell_id": "c1"}, "a: 1\n", attempt=2)
+    recorder.start(identity(tmp_path), "a: 1\n", attempt=2)
     assert not (tmp_path / "wandb").exists() and not (tmp_path / "records.parquet").exists()
     assert read_records(tmp_path).empty and read_json(tmp_path / "status.json")["attempt"] == 2
 

@@ -31,6 +31,7 @@ from ablate.analysis.load import CorruptCellError, ExcludedCellsWarning, load_ru
 from ablate.analysis.outcomes import OUTCOME_NAMES
 from ablate.analysis.stats import ADJUSTMENTS, CI_METHODS, min_achievable_pvalue
 from ablate.analysis.tables import arm_keys, effects, summarize
+from ablate.store import StoreError, make_directory
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _analyse(args, parse_where(args.where))
-    except (FileNotFoundError, CorruptCellError, MissingExtraError, ValueError, KeyError) as error:
+    except (FileNotFoundError, CorruptCellError, MissingExtraError, StoreError, ValueError, KeyError) as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
         if isinstance(error, CorruptCellError):
             message += " (--skip-corrupt analyses the other cells)"
@@ -124,7 +125,7 @@ def _analyse(args: argparse.Namespace, where: dict[str, Any]) -> int:
     settings = dict(by=keys, level=args.level, reps=args.reps, seed=args.seed, method=args.ci, min_seeds=args.min_seeds)
     _print_design(cells, keys, where, args)
 
-    out.mkdir(parents=True, exist_ok=True)
+    make_directory(out, "the analysis output folder")
     cells.to_csv(out / "cells.csv", index=False)
     plots = None if args.no_plots else _plots_module()
     summaries = {}

@@ -12,6 +12,8 @@ from typing import Iterable
 
 import pandas as pd
 
+from ablate.budget import budget_label
+
 FORMATS: dict[str, str] = {"csv": ".csv", "parquet": ".parquet", "md": ".md", "latex": ".tex"}
 
 
@@ -45,7 +47,8 @@ def to_markdown(table: pd.DataFrame, digits: int = 4) -> str:
     """A GitHub pipe table; floats with ``digits`` significant digits, NaN as an empty cell."""
     flat = _flat(table)
     header = [str(c) for c in flat.columns]
-    body = [[_cell(v, digits).replace("|", "\\|") for v in row] for row in flat.itertuples(index=False)]
+    body = [[_cell(v, digits, c).replace("|", "\\|") for c, v in zip(flat.columns, row)]
+            for row in flat.itertuples(index=False)]
     align = ["---:" if pd.api.types.is_numeric_dtype(flat[c]) else ":---" for c in flat.columns]
     lines = [header, align, *body]
     return "\n".join("| " + " | ".join(line) + " |" for line in lines)
@@ -59,7 +62,7 @@ def to_latex(table: pd.DataFrame, digits: int = 4) -> str:
     lines.append(" & ".join(_latex_escape(str(c)) for c in flat.columns) + " \\\\")
     lines.append("\\midrule")
     for row in flat.itertuples(index=False):
-        lines.append(" & ".join(_latex_escape(_cell(v, digits)) for v in row) + " \\\\")
+        lines.append(" & ".join(_latex_escape(_cell(v, digits, c)) for c, v in zip(flat.columns, row)) + " \\\\")
     lines += ["\\bottomrule", "\\end{tabular}"]
     return "\n".join(lines)
 
@@ -69,9 +72,12 @@ def _flat(table: pd.DataFrame) -> pd.DataFrame:
     return table.reset_index() if has_named_index else table.reset_index(drop=True)
 
 
-def _cell(value: object, digits: int) -> str:
+def _cell(value: object, digits: int, column: object = None) -> str:
     if isinstance(value, float):
-        return "" if math.isnan(value) else f"{value:.{digits}g}"
+        if math.isnan(value):
+            return ""
+        # Budgets are arms: two distinct budgets never print alike (1 and 0.9999999999999999).
+        return budget_label(value) if column == "budget" else f"{value:.{digits}g}"
     return "" if value is None else str(value)
 
 

@@ -35,15 +35,19 @@ Cells of different diagnostics schema versions in one sweep are not comparable k
 an arm key, so cells are compared only within one version (``where={"schema_version": "1.0"}``
 keeps one).
 
-Only complete cells are kept. Failed and unfinished cells are excluded and counted, never
-silently: an :class:`ExcludedCellsWarning` (``warnings.warn``; routed to ``logging`` under
-``logging.captureWarnings(True)``) names the counts and ``df.attrs["excluded"]`` holds
-``{"failed": n, "running": m, "corrupt": k}`` ("running" includes cells without a
-``status.json``, i.e. not started). A corrupt cell (unreadable ``cell.json``, ``config.yaml``,
-``status.json`` or ``records.parquet``, or a complete cell without records) raises
-:class:`CorruptCellError` naming the file; with ``on_corrupt="exclude"`` it is excluded
-instead, counted under ``"corrupt"``, its file listed in ``df.attrs["corrupt_files"]`` and
-named in the warning.
+Only complete cells are kept, and the store decides which those are: the loader reads every
+cell through :mod:`ablate.store` (:func:`~ablate.store.inspect_cell`, :func:`~ablate.store.read_identity`,
+:func:`~ablate.store.read_records`), the same reader the sweeps resume by. Other cells are
+excluded and counted, never silently: an :class:`ExcludedCellsWarning` (``warnings.warn``;
+routed to ``logging`` under ``logging.captureWarnings(True)``) names the counts and
+``df.attrs["excluded"]`` holds ``{"failed", "interrupted", "running", "unfinished", "corrupt"}``
+counts ("running": a live worker holds it now; "unfinished": started and never ended, its worker
+killed or crashed). A corrupt cell (an unreadable ``status.json`` or one with an unknown status,
+or a complete cell whose ``cell.json`` has a field of the wrong type or names another
+directory, or whose ``config.yaml``, ``summary.json`` or ``records.parquet`` is missing or
+unreadable) raises :class:`CorruptCellError` naming the file; with ``on_corrupt="exclude"`` it
+is excluded instead, counted under ``"corrupt"``, its file listed in ``df.attrs["corrupt_files"]``
+and named in the warning.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ import pandas as pd
 import yaml
 
 from ablate.analysis.outcomes import cell_outcomes
-from ablate.store import StoreError, read_json
+from ablate.store import CellState, StoreError, cell_directories, inspect_cell, read_identity, read_records
 
 ID_COLUMNS: tuple[str, ...] = (
     "sweep", "cell_id", "name", "backend", "policy", "policy_name", "variant", "budget", "seed",
@@ -267,18 +271,8 @@ def _matches(value: Any, wanted: Any) -> bool:
     return str(value) == str(wanted)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    """The store's own reader; its errors name the file and become this module's corrupt-cell error."""
-    try:
-        return read_json(path)
-    except StoreError as error:
-        raise CorruptCellError(str(error)) from error
-
-
 def _read_config(path: Path) -> dict[str, Any]:
-    """A cell's resolved config, flattened with dots; {} for a cell written without one."""
-    if not path.is_file():
-        return {}
+    """A cell's resolved config, flattened with dots (the store checked that it exists)."""
     try:
         tree = yaml.load(path.read_text(), Loader=_YAML_LOADER)
     except (OSError, yaml.YAMLError) as error:
@@ -296,15 +290,6 @@ def flatten_config(tree: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value.item() if isinstance(value, np.generic) else value for key, value in row.items()}
 
 
-def _read_records(path: Path) -> pd.DataFrame:
-    if not path.is_file():
-        raise CorruptCellError(f"{path}: missing, but the cell's status is 'complete'")
-    try:
-        return pd.read_parquet(path)
-    except Exception as error:  # pyarrow raises several unrelated types for a damaged file
-        raise CorruptCellError(f"{path}: unreadable parquet ({type(error).__name__}: {error})") from error
-
-
 def _with_arm(meta: dict[str, Any]) -> dict[str, Any]:
     """``policy`` becomes the arm: the policy name plus its non-default settings, if any.
 
@@ -316,21 +301,42 @@ def _with_arm(meta: dict[str, Any]) -> dict[str, Any]:
     return {**meta, "policy_name": name, "variant": variant, "policy": f"{name}[{variant}]" if variant else name}
 
 
+def no_exclusions() -> dict[str, int]:
+    """``df.attrs["excluded"]`` before counting: every kind of cell left out, at 0."""
+    return {kind: 0 for kind in EXCLUDED_KINDS}
+
+
+#: How the analysis counts a store cell that is not complete, by its :class:`~ablate.store.CellState`:
+#: a cell started and never ended (killed, crashed, or claimed and killed before it started) is
+#: "unfinished"; "running" is a cell a live worker holds now.
+EXCLUDED_AS = {CellState.FAILED: "failed", CellState.INTERRUPTED: "interrupted", CellState.RUNNING: "running",
+               CellState.UNFINISHED: "unfinished", CellState.NEW: "unfinished", CellState.CORRUPT: "corrupt"}
+EXCLUDED_KINDS = ("failed", "interrupted", "running", "unfinished", "corrupt")
+
+
 def _read_store(sweep_path: Path, on_corrupt: str) -> tuple[list[_LoadedCell], dict[str, int], list[str]]:
+    """The complete cells of a sweep directory, read through the store (:func:`ablate.store.inspect_cell`).
+
+    The store decides what a cell is: complete only with a valid identity that names its own
+    directory, its config, summary and Parquet records; everything else is counted by state.
+    """
     cells: list[_LoadedCell] = []
-    excluded = {"failed": 0, "running": 0, "corrupt": 0}
+    excluded = no_exclusions()
     corrupt: list[str] = []
-    for cell_file in sorted(sweep_path.glob("*/cell.json")):
-        cell_dir = cell_file.parent
+    for cell_dir in cell_directories(sweep_path):
+        view = inspect_cell(cell_dir)
         try:
-            meta = _read_json(cell_file)
-            status_file = cell_dir / "status.json"
-            status = _read_json(status_file).get("status") if status_file.exists() else "running"
-            if status != "complete":
-                excluded["failed" if status == "failed" else "running"] += 1
+            if view.state is CellState.CORRUPT:
+                raise CorruptCellError(view.detail or f"{cell_dir}: corrupt cell")
+            if view.state is not CellState.COMPLETE:
+                excluded[EXCLUDED_AS[view.state]] += 1
                 continue
+            try:
+                identity = read_identity(cell_dir)
+                records = read_records(cell_dir)
+            except StoreError as error:
+                raise CorruptCellError(str(error)) from error
             config = _read_config(cell_dir / "config.yaml")
-            records = _read_records(cell_dir / "records.parquet")
         except CorruptCellError as error:
             if on_corrupt == "error":
                 raise
@@ -338,8 +344,8 @@ def _read_store(sweep_path: Path, on_corrupt: str) -> tuple[list[_LoadedCell], d
             corrupt.append(str(error))
             continue
         meta = {
-            **meta, "sweep": meta.get("sweep", sweep_path.name), "status": status, "path": str(cell_dir),
-            "schema_version": _version(meta.get("schema_version", config.get("schema_version"))),
+            **identity.to_json(), "sweep": identity.sweep or sweep_path.name, "status": CellState.COMPLETE.value,
+            "path": str(cell_dir), "schema_version": _version(identity.schema_version or config.get("schema_version")),
         }
         cells.append(_LoadedCell(_with_arm(meta), config, records))
     return cells, excluded, corrupt
@@ -375,7 +381,7 @@ def _read_wandb_offline(
     from ablate.tracking.offline_reader import find_offline_runs, history_frame, read_offline_run
 
     cells: list[_LoadedCell] = []
-    excluded = {"failed": 0, "running": 0, "corrupt": 0}
+    excluded = no_exclusions()
     corrupt: list[str] = []
     for run_dir in find_offline_runs(root):
         try:
@@ -404,7 +410,7 @@ def _read_wandb_api(project_path: str, sweep: str | None) -> tuple[list[_LoadedC
 
     filters = {"group": sweep} if sweep else {}
     cells: list[_LoadedCell] = []
-    excluded = {"failed": 0, "running": 0, "corrupt": 0}
+    excluded = no_exclusions()
     for run in wandb.Api().runs(project_path, filters=filters):
         if run.job_type == SUMMARY_JOB_TYPE:
             continue

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from hydra._internal.config_loader_impl import ConfigLoaderImpl
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+
+from .hydra_private import BasicSweeper, ConfigLoaderImpl, apply_overrides, config_repository
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class JobComposer:
 
     Hydra composes a job in two phases: overrides of config groups (``policy=fisher``) choose the
     defaults list, then the other overrides (``budget=0.1``, ``policy.tau=1``) are applied to the
-    composed config with ``_apply_overrides_to_config``. A grid has few group choices and many
+    composed config (both through :mod:`.hydra_private`). A grid has few group choices and many
     values, so the first phase is cached per set of group overrides, and the second is Hydra's own
     function applied to the cached config, whose previous values are put back at the next call
     (copying an OmegaConf config per job would cost more than the rest of planning). Which
@@ -59,7 +59,7 @@ class JobComposer:
 
     def __init__(self, master: DictConfig, config_loader: ConfigLoaderImpl) -> None:
         self.master, self.loader = master, config_loader
-        _, self.repository = config_loader._parse_overrides_and_create_caching_repo(master.hydra.job.config_name, [])
+        self.repository = config_repository(config_loader, master.hydra.job.config_name)
         self.parser = OverridesParser.create(config_loader=config_loader)
         self._parsed: dict[str, Override] = {}
         self._composed: dict[tuple[str, ...], DictConfig] = {}
@@ -89,7 +89,7 @@ class JobComposer:
             for override in values:
                 parent, leaf = self._parent(cfg, override.key_or_group)
                 self._undo.append((parent, leaf, parent._get_node(leaf)._value()))
-        ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+        apply_overrides(values, cfg)
         return cfg
 
     @staticmethod
@@ -122,7 +122,8 @@ class AblateGridSweeper(BasicSweeper):
     def sweep(self, arguments: list[str]) -> Any:
         from ablate.cell import ConfigError
         from ablate.interrupts import as_interrupted, signals_interrupt
-        from ablate.store import store_root
+        from ablate.overrides import quoted_override
+        from ablate.store import StoreError, make_directory, store_root
         from ablate.sweep import ProgressReporter, describe_plan, plan_grid, tally, wait_for_others
 
         assert self.config is not None and self.launcher is not None and self.hydra_context is not None
@@ -130,7 +131,8 @@ class AblateGridSweeper(BasicSweeper):
         overrides = parser.parse_overrides([*self._parse_config(), *arguments])
         jobs = [job for batch in self.split_arguments(overrides, None) for job in batch]
         # Every worker writes to the same store, wherever its working directory is (Ray, SLURM).
-        store = f"store_dir={store_root(str(self.config.store_dir))}"
+        # Quoted: Hydra parses it again, and a path may hold any character ("p (copy)", "é", ",").
+        store = quoted_override("store_dir", str(store_root(str(self.config.store_dir))))
         compose = JobComposer(self.config, self.hydra_context.config_loader)
         try:
             planned = plan_grid([[*(o for o in job if not o.startswith("store_dir=")), store] for job in jobs], compose)
@@ -147,7 +149,11 @@ class AblateGridSweeper(BasicSweeper):
             return []
 
         sweep_dir = Path(self.config.hydra.sweep.dir)
-        sweep_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            make_directory(sweep_dir, "the sweep's directory")
+        except StoreError as error:
+            print(f"ablate: {error}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
 
         to_launch = [cell for cell in planned if cell.to_launch]

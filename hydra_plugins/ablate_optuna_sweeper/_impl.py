@@ -30,6 +30,7 @@ from optuna.storages import BaseStorage, JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, TrialState
 
+from ablate.overrides import quoted_override
 from ablate.store import atomic_write, store_root
 
 from ._search_space import parse_search_space
@@ -104,7 +105,8 @@ class OptunaStudySweep:
         )
         self.started, self.finished_here = time.monotonic(), 0
         # Every worker writes to the same store, wherever its working directory is (Ray, SLURM).
-        store = f"store_dir={store_root(str(self.config.store_dir))}"
+        # Quoted: Hydra parses it again, and a path may hold any character ("p (copy)", "é", ",").
+        store = quoted_override("store_dir", str(store_root(str(self.config.store_dir))))
         while interrupted or to_ask:
             batch: list[tuple[int, dict[str, Any]]] = []
             while interrupted and len(batch) < self.n_jobs:

@@ -12,13 +12,13 @@ Hydra string.
 from __future__ import annotations
 
 import importlib.metadata
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from ablate.backends.verl.hook import HookSettings
 from ablate.config import ConfigError
+from ablate.overrides import hydra_string
 
 #: The verl release the hook is written against. REQUIRED_VERL.txt, at the top of the repository,
 #: declares the same pin in verl-recipe's format (a test keeps the two equal); the constant is
@@ -38,17 +38,6 @@ class VerlLaunchError(ConfigError):
 
     A :class:`~ablate.config.ConfigError`: the command ends with its one line and exit status 2.
     """
-
-
-def hydra_string(value: str) -> str:
-    """``value`` as a quoted Hydra override value, so Hydra keeps it a string.
-
-    Unquoted, Hydra types ``0.3`` as a float and ``3`` as an int, and Ray then rejects them as
-    ``runtime_env`` environment variables. Inside quotes a backslash is literal unless it
-    precedes a quote or ends the string, where it must be doubled; quotes are escaped.
-    """
-    doubled = re.sub(r"(\\+)(?='|$)", lambda run: run.group(1) * 2, value)
-    return "'" + doubled.replace("'", "\\'") + "'"
 
 
 def seed_overrides(seed: int) -> list[str]:

@@ -1,0 +1,78 @@
+"""Issue 18's rough edges of the run store, through the command line as a user meets them."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ablate.store import read_json
+
+pytestmark = pytest.mark.slow
+
+
+def ablate(cwd: Path, *args: str, module: str = "ablate") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+def test_budgets_that_differ_past_six_digits_get_distinct_cell_names_and_table_rows(tmp_path):
+    done = ablate(tmp_path, "-m", "backend=noop", "backend.steps=3", "policy=random",
+                  "budget=0.999999999,0.9999999999999999,1.0", "seed=0", "tracking.mode=disabled")
+    assert done.returncode == 0, done.stderr[-3000:]
+    names = sorted(p.parent.name.rsplit("-", 1)[0] for p in (tmp_path / "runs" / "adhoc").glob("*/cell.json"))
+    assert names == ["random-b0.999999999-s0", "random-b0.9999999999999999-s0", "random-b1-s0"]
+    analysed = ablate(tmp_path, "runs/adhoc", "--no-plots", "--reps", "50", "--out", "out", module="ablate.analysis")
+    assert analysed.returncode == 0, analysed.stderr[-3000:]
+    rows = [line for line in (tmp_path / "out" / "table_final_reward.md").read_text().splitlines()[2:]]
+    budgets = [row.split("|")[2].strip() for row in rows]
+    assert budgets == ["0.999999999", "0.9999999999999999", "1"]
+
+
+def test_a_claim_that_is_a_directory_fails_its_cell_with_what_is_wrong(tmp_path):
+    grid = ["-m", "backend=noop", "backend.steps=3", "policy=none", "seed=0,1", "tracking.mode=disabled"]
+    assert ablate(tmp_path, *grid).returncode == 0
+    (cell,) = (tmp_path / "runs" / "adhoc").glob("none-s1-*")
+    (cell / "status.json").unlink()
+    (cell / "claim.json").mkdir()
+    done = ablate(tmp_path, *grid)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (f"failed: none-s1: {cell / 'claim.json'}: a directory where the cell's claim file should be; remove it, "
+            "then run again") in done.stdout
+    assert "killed or crashed" not in done.stdout and "a rerun" not in done.stdout.split("failed: none-s1")[1]
+    shutil.rmtree(cell / "claim.json")
+    assert ablate(tmp_path, *grid).returncode == 0
+    assert read_json(cell / "status.json")["status"] == "complete"
+
+
+def test_a_read_only_store_ends_a_sweep_with_one_line(tmp_path):
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mount)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here ({mounted.stderr.decode().strip()})")
+    try:
+        done = ablate(tmp_path, "-m", "backend=noop", "policy=none", "seed=0,1", "tracking.mode=disabled",
+                      f"store_dir={mount / 'runs'}")
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"ablate: {mount / 'runs'}") and "Read-only file system" in lines[0]
+
+
+def test_an_analysis_into_a_read_only_folder_ends_with_one_line(tmp_path):
+    assert ablate(tmp_path, "-m", "backend=noop", "backend.steps=3", "policy=none", "seed=0,1",
+                  "tracking.mode=disabled").returncode == 0
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mount)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here ({mounted.stderr.decode().strip()})")
+    try:
+        done = ablate(tmp_path, "runs/adhoc", "--no-plots", "--out", str(mount / "out"), module="ablate.analysis")
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == (f"ablate-analyze: {mount / 'out'}: cannot create the analysis output folder "
+                                   "(Read-only file system); expected a writable directory")
