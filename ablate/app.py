@@ -5,11 +5,13 @@ the cell and returns the objective, so any Hydra sweeper can optimise it. The co
 the package (``pkg://ablate.conf``), so an installed wheel runs from any directory; users add
 their own ``sweeps/`` folder with Hydra's ``--config-dir``.
 
-Imports are deferred into :func:`main`: ``--help`` and tab completion never run a cell, and they
+Imports are deferred into :func:`app`: ``--help`` and tab completion never run a cell, and they
 should not pay for torch, pandas and wandb.
 """
 
 from __future__ import annotations
+
+import sys
 
 import hydra
 from omegaconf import DictConfig
@@ -18,7 +20,19 @@ CONFIG_PATH = "pkg://ablate.conf"
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
-def main(cfg: DictConfig) -> float | list[float]:
+def app(cfg: DictConfig) -> float | list[float]:
     from ablate.runner import run_cell_from_cli
 
     return run_cell_from_cli(cfg)
+
+
+def main() -> None:
+    """The command: a ``--config-dir`` with a file that is not YAML ends in one line, before Hydra."""
+    from ablate.config_errors import config_dir, yaml_problem
+
+    directory = config_dir(sys.argv[1:])
+    problem = yaml_problem(directory, sys.argv[1:]) if directory is not None else None
+    if problem is not None:
+        print(f"ablate: {problem}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    app()

@@ -343,6 +343,11 @@ class AppConfig:
 
     def check(self) -> None:
         """Every section and every top-level value (the budget is checked with its policy)."""
+        from ablate.backends import BACKENDS
+
+        # A misspelt backend.name composes (the field is a string) but has nothing to run the cell.
+        require(self.backend.name in BACKENDS, "backend.name", self.backend.name,
+                f"one of {', '.join(sorted(BACKENDS))} (choose a backend with backend=<name>)")
         self.backend.check()
         self.policy.check()
         self.tracking.check()

@@ -26,12 +26,13 @@ import pandas as pd
 from ablate.analysis.export import export_table, to_markdown
 from ablate.analysis.extras import MissingExtraError
 from ablate.analysis.compare import compare_values, parse_comparison
+from ablate.analysis.dropped import dropped_line
 from ablate.analysis.flags import flag_policies
 from ablate.analysis.load import CorruptCellError, ExcludedCellsWarning, load_runs, parse_where, sweep_dir
 from ablate.analysis.outcomes import OUTCOME_NAMES
 from ablate.analysis.stats import ADJUSTMENTS, CI_METHODS, min_achievable_pvalue
 from ablate.analysis.tables import arm_keys, effects, summarize
-from ablate.store import StoreError, make_directory
+from ablate.store import StoreError, atomic_write, make_directory
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,7 +127,7 @@ def _analyse(args: argparse.Namespace, where: dict[str, Any]) -> int:
     _print_design(cells, keys, where, args)
 
     make_directory(out, "the analysis output folder")
-    cells.to_csv(out / "cells.csv", index=False)
+    atomic_write(out / "cells.csv", lambda tmp: cells.to_csv(tmp, index=False))
     plots = None if args.no_plots else _plots_module()
     summaries = {}
     for outcome in outcomes:
@@ -142,6 +143,9 @@ def _analyse(args: argparse.Namespace, where: dict[str, Any]) -> int:
         summaries[outcome] = table
         print(f"\n## {outcome}: mean over seeds, {args.level:.0%} {args.ci} bootstrap CI "
               f"(none below {table.attrs['min_seeds']} seeds)\n")
+        dropped = dropped_line(cells, outcome)
+        if dropped is not None:
+            print(dropped + "\n")
         print(to_markdown(table))
         print(f"\n## effects on {outcome} (paired by seed)\n")
         print(_effects_legend(effect_table))

@@ -25,6 +25,7 @@ from typing import Any, Literal, Sequence
 import pandas as pd
 
 from ablate.analysis.extras import require
+from ablate.store import atomic_write
 
 OUTCOME_KEYS: tuple[str, ...] = ("train/reward", "train/loss", "train/entropy", "train/grad_norm", "train/clip_frac")
 ROUTING_KEYS: tuple[str, ...] = (
@@ -90,9 +91,10 @@ def write_workspace_spec(workspace: Any, path: str | Path) -> Path:
     if path.suffix in (".yaml", ".yml"):
         import yaml
 
-        path.write_text(yaml.safe_dump(spec, sort_keys=False))
+        text = yaml.safe_dump(spec, sort_keys=False)
     else:
-        path.write_text(json.dumps(spec, indent=2) + "\n")
+        text = json.dumps(spec, indent=2) + "\n"
+    atomic_write(path, lambda tmp: tmp.write_text(text))
     return path
 
 

@@ -2,6 +2,8 @@
 
 Markdown and LaTeX are rendered here (plain pipe tables; a booktabs ``tabular``) so that
 neither ``tabulate`` nor ``jinja2`` is needed. Index levels become ordinary leading columns.
+Every file is written as the run store writes its own (a temporary file, then a rename), so an
+analysis killed midway leaves each file whole, old or new, never empty or half written.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Iterable
 import pandas as pd
 
 from ablate.budget import budget_label
+from ablate.store import atomic_write
 
 FORMATS: dict[str, str] = {"csv": ".csv", "parquet": ".parquet", "md": ".md", "latex": ".tex"}
 
@@ -32,13 +35,12 @@ def export_table(
             raise ValueError(f"format={fmt!r}: expected one of {sorted(FORMATS)}")
         path = stem.with_name(stem.name + FORMATS[fmt])
         if fmt == "csv":
-            flat.to_csv(path, index=False)
+            atomic_write(path, lambda tmp: flat.to_csv(tmp, index=False))
         elif fmt == "parquet":
-            flat.to_parquet(path, index=False)
-        elif fmt == "md":
-            path.write_text(to_markdown(table) + "\n")
+            atomic_write(path, lambda tmp: flat.to_parquet(tmp, index=False))
         else:
-            path.write_text(to_latex(table) + "\n")
+            text = to_markdown(table) if fmt == "md" else to_latex(table)
+            atomic_write(path, lambda tmp: tmp.write_text(text + "\n"))
         written.append(path)
     return written
 

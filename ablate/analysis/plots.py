@@ -27,6 +27,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from ablate.analysis.tables import FIXED_BUDGET_POLICIES, order_policies  # noqa: E402
+from ablate.store import atomic_write  # noqa: E402
 
 FORMATS: tuple[str, ...] = ("png", "svg")
 STEP_KEYS: tuple[str, ...] = ("train/reward", "mismatch/kl_k3")
@@ -285,6 +286,7 @@ def _save(fig: Figure, path_stem: str | Path) -> list[Path]:
     paths = []
     for fmt in FORMATS:
         path = stem.with_name(f"{stem.name}.{fmt}")
-        fig.savefig(path, dpi=120)
+        # The temporary file's name does not end in the format, so it is given.
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format=fmt))
         paths.append(path)
     return paths

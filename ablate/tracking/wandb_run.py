@@ -13,7 +13,13 @@ records a readable warning, and the cell carries on. Failures do not outlive the
 
 Each cell has one W&B run id (chosen by the runner and kept in the run store), and runs are
 started with ``resume="allow"``: a rerun of an interrupted cell continues the same W&B run online,
-and offline it replaces the partial run, whose folder the run store removed.
+and offline it replaces the partial run. One cell, one run: once a run has started, every other
+folder of the same run id under ``wandb/`` goes (an online start that fell back offline, an earlier
+attempt that the run store could not remove because ``wandb/`` is a link to another disk).
+
+An online run turns off wandb's own SDK telemetry (``WANDB_ERROR_REPORTING=false``) unless the user
+set it: at exit wandb would otherwise probe the server for it, for up to 10 s per probe, so a
+process whose server does not answer would linger some 20 s after its last cell.
 
 Three wandb 0.31 behaviours shape this module:
 
@@ -33,6 +39,9 @@ Three wandb 0.31 behaviours shape this module:
 from __future__ import annotations
 
 import logging
+import os
+import re
+import shutil
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -45,6 +54,9 @@ from ablate.tracking.offline_reader import STEP_KEY, is_complete
 logger = logging.getLogger(__name__)
 
 TRACKER_MODES = ("offline", "online", "disabled")
+
+#: wandb's switch for its own SDK telemetry (error reports and usage metrics sent to the server).
+TELEMETRY_ENV = "WANDB_ERROR_REPORTING"
 
 #: Set once an online run of this process failed to reach the server: later cells log offline.
 _server_unreachable: list[str] = []
@@ -188,6 +200,8 @@ def start_tracker(
         return WandbTracker(None, flush_timeout)
     run_dir = Path(run_dir)
     notes: list[str] = []
+    if mode == "online":
+        os.environ.setdefault(TELEMETRY_ENV, "false")
     if mode == "online" and _server_unreachable:
         notes.append(f"W&B server unreachable earlier in this process ({_server_unreachable[0]}): "
                      "this cell logs offline; upload it later with wandb sync")
@@ -206,7 +220,12 @@ def start_tracker(
         _server_unreachable.append(f"{type(error).__name__}: {error}")
         notes.append(f"W&B online start failed within init_timeout={init_timeout:g} s ({type(error).__name__}: "
                      f"{error}): this cell logs offline; upload it later with wandb sync")
+        # The failed run's stream still holds the run id in this service: an offline start of the
+        # same id would wait for it until init_timeout, fail, and leave one more empty run folder.
+        restart_wandb()
         run, error = _attempt(init, "offline")
+    remove_other_runs(run_dir / "wandb", run.id if run is not None else run_id,
+                      Path(run.settings.sync_file).parent if run is not None else None)
     tracker = WandbTracker(run, flush_timeout)
     for note in notes:
         tracker._warn(note, None)
@@ -215,6 +234,22 @@ def start_tracker(
         return tracker
     tracker._use_step_axis()
     return tracker
+
+
+def remove_other_runs(wandb_dir: Path, run_id: str | None, keep: Path | None) -> None:
+    """Remove every run folder of ``run_id`` under ``wandb_dir`` but ``keep``, so a cell has one run.
+
+    Only folders of this run id go (``run-<time>-<id>``, ``offline-run-<time>-<id>``, and the
+    ``-<n>`` copies wandb makes when a name is taken): a ``wandb/`` linked to a folder that other
+    cells share keeps their runs.
+    """
+    if run_id is None or not wandb_dir.is_dir():
+        return
+    own = re.compile(rf"(offline-)?run-\d{{8}}_\d{{6}}-{re.escape(run_id)}(-\d+)?")
+    kept = keep.resolve() if keep is not None else None
+    for folder in wandb_dir.iterdir():
+        if own.fullmatch(folder.name) and folder.is_dir() and not folder.is_symlink() and folder.resolve() != kept:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _attempt(init: Any, mode: str) -> tuple[wandb.Run | None, Exception | None]:

@@ -120,6 +120,20 @@ class AblateGridSweeper(BasicSweeper):
         self.dry_run = dry_run
 
     def sweep(self, arguments: list[str]) -> Any:
+        """Plan, launch and tally; an interpolation that cannot resolve ends it in one line."""
+        from omegaconf.errors import InterpolationResolutionError
+
+        from ablate.config_errors import interpolation_problem
+
+        try:
+            return self._sweep(arguments)
+        except InterpolationResolutionError as error:
+            assert self.config is not None
+            dirs = [Path(s.path) for s in self.config.hydra.runtime.config_sources if s.schema == "file"]
+            print(f"ablate: {interpolation_problem(error, dirs)}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+
+    def _sweep(self, arguments: list[str]) -> Any:
         from ablate.cell import ConfigError
         from ablate.interrupts import as_interrupted, signals_interrupt
         from ablate.overrides import quoted_override

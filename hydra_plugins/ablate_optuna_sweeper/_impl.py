@@ -33,6 +33,7 @@ from optuna.trial import FrozenTrial, TrialState
 from ablate.overrides import quoted_override
 from ablate.store import atomic_write, store_root
 
+from ._journal import repair_journal
 from ._search_space import parse_search_space
 from .config import SamplerConf, SamplerName
 
@@ -213,6 +214,7 @@ class OptunaStudySweep:
         path = self._journal_path()
         assert path is not None
         path.parent.mkdir(parents=True, exist_ok=True)
+        repair_journal(path)
         return JournalStorage(JournalFileBackend(str(path)))
 
     def _journal_path(self) -> Optional[Path]:

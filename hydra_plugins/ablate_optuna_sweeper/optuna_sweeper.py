@@ -44,9 +44,14 @@ class AblateOptunaSweeper(Sweeper):
 
         from ablate.interrupts import as_interrupted, signals_interrupt
 
+        from ._journal import JournalDamaged
+
         try:
             with signals_interrupt():
                 self.impl.sweep(arguments)
+        except JournalDamaged as error:
+            print(f"ablate: {error}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
         except KeyboardInterrupt as error:
             stopped = as_interrupted(error)
             print(f"ablate: study interrupted by {stopped.signal_name}; run the same command again to resume it "

@@ -1,0 +1,78 @@
+"""One line for a broken ``--config-dir``: the file and the problem, never Hydra's traceback.
+
+Hydra prints 80 to 100 lines of traceback when a YAML file of a ``--config-dir`` does not parse,
+or when an interpolation in it names a key or an environment variable that does not exist. Both
+are a user's typo in a file, so both are reported as ``<file>: <problem>``:
+
+- YAML: the files of the ``--config-dir`` that the command line selects (``sweeps=mine``,
+  ``--config-name``) are parsed before Hydra starts: Hydra reads them deep inside its composition,
+  where the error cannot be caught. A broken file that no command selects is left alone.
+- Interpolations resolve when the sweeper plans its cells; the error names the config key, and
+  the file of the ``--config-dir`` that sets that key to an interpolation, where one does.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def config_dir(argv: Sequence[str]) -> Path | None:
+    """The ``--config-dir`` (or ``-cd``) of a Hydra command line, or ``None``."""
+    for index, arg in enumerate(argv):
+        if arg in ("--config-dir", "-cd") and index + 1 < len(argv):
+            return Path(argv[index + 1])
+        if arg.startswith("--config-dir="):
+            return Path(arg.split("=", 1)[1])
+    return None
+
+
+def selected_files(directory: Path, argv: Sequence[str]) -> list[Path]:
+    """The YAML files of ``directory`` that ``argv`` selects: ``group=a,b`` and ``--config-name``."""
+    names: list[str] = []
+    for index, arg in enumerate(argv):
+        if arg in ("--config-name", "-cn") and index + 1 < len(argv):
+            names.append(argv[index + 1])
+        elif arg.startswith("--config-name="):
+            names.append(arg.split("=", 1)[1])
+        elif not arg.startswith("-") and "=" in arg:
+            group, _, value = arg.lstrip("+~").partition("=")
+            if re.fullmatch(r"[\w/-]+", group):
+                names += [f"{group}/{choice.strip()}" for choice in value.split(",") if choice.strip()]
+    return [path for name in names for path in (directory / f"{name}.yaml", directory / f"{name}.yml") if path.is_file()]
+
+
+def yaml_problem(directory: Path, argv: Sequence[str]) -> str | None:
+    """``<file>: not valid YAML (...)`` for the first selected file of ``directory`` that does not parse."""
+    for path in selected_files(directory, argv):
+        try:
+            yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(error, "problem", None) or " ".join(str(error).split())
+            return f"{path}: not valid YAML{at}: {problem}"
+        except (OSError, UnicodeDecodeError) as error:
+            return f"{path}: cannot be read ({error})"
+    return None
+
+
+def interpolation_problem(error: Any, directories: Sequence[Path]) -> str:
+    """One line for an OmegaConf interpolation error: the key, what failed and, when known, the file."""
+    key = getattr(error, "full_key", None) or "?"
+    # OmegaConf appends "full_key: ... object_type=..." to its message; the key is shown apart.
+    message = " ".join(str(getattr(error, "msg", error)).split()).split(" full_key: ")[0]
+    files = _files_setting(str(key).rsplit(".", 1)[-1], directories)
+    where = f"{files[0]}: " if len(files) == 1 else ""
+    return f"{where}{key}: {message} (an interpolation that cannot be resolved)"
+
+
+def _files_setting(leaf: str, directories: Sequence[Path]) -> list[Path]:
+    """YAML files under ``directories`` with a line ``<leaf>: ...${...}``."""
+    pattern = re.compile(rf"^\s*{re.escape(leaf)}\s*:.*\$\{{", re.MULTILINE)
+    return [path for directory in directories if directory.is_dir()
+            for path in sorted(directory.rglob("*.y*ml")) if pattern.search(path.read_text(errors="replace"))]
