@@ -220,10 +220,10 @@ class ProgressReporter:
             print(progress_line(self.sweep, counts, self.elapsed), file=self.stream, flush=True)
 
 
-#: The words of the final tally: cells complete before the sweep are "skipped", and a cell the
-#: sweep did not manage to run is "not run".
+#: The words of the final tally: cells complete before the sweep are "skipped", a cell the sweep
+#: did not manage to run is "not run", and one a live worker still holds is "still running".
 TALLY_WORDS = {CellState.COMPLETE: "complete", CellState.FAILED: "failed", CellState.INTERRUPTED: "interrupted",
-               CellState.NEW: "not run"}
+               CellState.RUNNING: "still running", CellState.NEW: "not run"}
 
 
 @dataclass(frozen=True)
@@ -259,6 +259,9 @@ def tally(planned: Sequence[PlannedCell]) -> Tally:
                             "runs it again")
         elif ended is CellState.FAILED:
             problems.append(f"failed: {name}: {view.detail or view.state.value} ({where})")
+        elif ended is CellState.RUNNING:
+            problems.append(f"still running: {name}: {view.detail} ({where}); its worker had not ended when the "
+                            "sweep did")
         elif ended is not CellState.COMPLETE:
             problems.append(f"not run: {name}: {view.detail or 'the launcher did not run it'} ({where}); a rerun "
                             "of the sweep runs it")

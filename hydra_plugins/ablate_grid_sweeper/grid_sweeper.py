@@ -122,6 +122,7 @@ class AblateGridSweeper(BasicSweeper):
     def sweep(self, arguments: list[str]) -> Any:
         from ablate.cell import ConfigError
         from ablate.interrupts import as_interrupted, signals_interrupt
+        from ablate.launchers import default_batch_size, launch, settle, stop_file
         from ablate.store import store_root
         from ablate.sweep import ProgressReporter, describe_plan, plan_grid, tally, wait_for_others
 
@@ -151,19 +152,19 @@ class AblateGridSweeper(BasicSweeper):
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
 
         to_launch = [cell for cell in planned if cell.to_launch]
-        batch_size = self.max_batch_size or max(len(to_launch), 1)
+        batch_size = self.max_batch_size or default_batch_size(self.launcher, len(to_launch))
         returns = []
         stopped = None
         reporter = ProgressReporter(sweep_name, planned, interval=self.progress_interval)
-        with reporter:
+        with reporter, stop_file(sweep_dir):
             try:
                 with signals_interrupt():
                     for start in range(0, len(to_launch), batch_size):
-                        batch = [cell.overrides for cell in to_launch[start : start + batch_size]]
-                        returns.append(self.launcher.launch(batch, initial_job_idx=start))
+                        returns.append(launch(self.launcher, to_launch[start : start + batch_size], start))
                     wait_for_others(planned, self.progress_interval)
             except KeyboardInterrupt as error:
                 stopped = as_interrupted(error)
+            settle(to_launch)  # a launcher may return while its workers still record their cells
         result = tally(planned)
         print(result.line(sweep_name, reporter.elapsed, planned[0].directory.parent if planned else None), flush=True)
         for problem in result.problems:
