@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class AblateGridSweeperConf:
     _target_: str = "hydra_plugins.ablate_grid_sweeper.grid_sweeper.AblateGridSweeper"
-    #: Cells handed to the launcher at once (None: all); progress is reported either way.
+    #: Cells handed to the launcher at once (None: all, or for submitit_local as many as the machine
+    #: has cores, since it starts a process per cell at once); progress is reported either way.
     max_batch_size: Optional[int] = None
     #: The grid, as in Hydra's basic sweeper: {key: "v1,v2,..."}.
     params: Optional[dict[str, str]] = None
