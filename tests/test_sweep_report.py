@@ -1,10 +1,15 @@
-"""The ETA of a sweep whose cells run side by side: from their durations and how many run."""
+"""What a sweep reports while and after its cells run: the ETA of cells that run side by side,
+and a tally that never calls a cell a live worker still holds "not run"."""
 
+import time
 from collections import Counter
 from pathlib import Path
 
-from ablate.store import CellState
-from ablate.sweep import Pace, progress_line
+from conftest import compose_config
+
+from ablate.launchers import settle
+from ablate.store import CellState, atomic_write_json, held
+from ablate.sweep import Pace, plan_grid, progress_line, tally
 
 RUNNING, COMPLETE, NEW = CellState.RUNNING, CellState.COMPLETE, CellState.NEW
 A, B, C, D = (Path(name) for name in "abcd")
@@ -39,3 +44,18 @@ def test_a_failed_cell_does_not_count_as_a_duration():
     pace.update({A: RUNNING, B: RUNNING}, 0.0)
     pace.update({A: CellState.FAILED, B: RUNNING}, 0.5)
     assert pace.eta({A: CellState.FAILED, B: RUNNING}, 0.5) is None
+
+
+def test_the_tally_waits_a_bounded_time_for_a_live_claim_and_names_a_cell_still_running(tmp_path):
+    planned = plan_grid([["policy=random", "budget=0.1", "seed=0"]], lambda o: compose_config(*o, store=tmp_path))
+    directory = planned[0].directory
+    with held(directory):  # a live worker (this process) holds the cell and has not ended it
+        atomic_write_json(directory / "status.json", {"status": "running", "attempt": 1})
+        started = time.monotonic()
+        settle(planned, timeout=1.0)
+        assert 1.0 <= time.monotonic() - started < 5.0
+        result = tally(planned)
+        assert result.line("g", 5.0, tmp_path).startswith("sweep g: 0 complete, 0 failed, 1 still running, 0 skipped")
+        assert result.problems[0].startswith("still running: random-b0.1-s0: pid ") and not result.ok
+    # Its worker gone without a result: a failure, not a cell still running nor one not run.
+    assert tally(planned).problems[0].startswith("failed: random-b0.1-s0: no live worker holds it")
