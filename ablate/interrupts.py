@@ -6,10 +6,15 @@ running any ``finally``, which would leave a cell recorded as running. While
 ``KeyboardInterrupt`` (so code that already handles Ctrl-C handles SIGTERM the same way, and
 Hydra's launchers let it through instead of recording one failed job and moving on). A second
 signal while the first is being handled is ignored, so the cleanup is not cut short.
+
+A sweep that is stopping also tells the cells that have not started yet, in other processes,
+not to start: :func:`request_stop` writes a file named by an environment variable that every
+worker process inherits, and :func:`check_not_stopping` raises :class:`Interrupted` there.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -17,6 +22,8 @@ from contextlib import contextmanager
 from types import FrameType
 
 HANDLED = (signal.SIGINT, signal.SIGTERM)
+#: The file whose existence tells a sweep's worker processes that the sweep is stopping.
+STOP_FILE_ENV = "ABLATE_SWEEP_STOP_FILE"
 
 
 class Interrupted(KeyboardInterrupt):
@@ -72,3 +79,35 @@ def signals_interrupt() -> Iterator[None]:
             _state["stopping"] = False
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+
+
+def restore_handlers() -> None:
+    """Put ablate's handlers back inside an active block, after a library replaced them.
+
+    ``ray.init`` installs its own SIGTERM handler (it exits the process at once); a sweep that
+    starts Ray inside its launch calls this afterwards, so that SIGTERM still stops it cleanly.
+    """
+    if _state["depth"] and threading.current_thread() is threading.main_thread():
+        for signum in HANDLED:
+            signal.signal(signum, _raise)
+
+
+def request_stop(signum: int) -> None:
+    """Tell this sweep's worker processes (see :data:`STOP_FILE_ENV`) not to start another cell."""
+    path = os.environ.get(STOP_FILE_ENV)
+    if path:
+        with open(path, "w") as handle:
+            handle.write(str(int(signum)))
+
+
+def check_not_stopping() -> None:
+    """Raise :class:`Interrupted` with the sweep's signal if the sweep that launched this cell stops."""
+    path = os.environ.get(STOP_FILE_ENV)
+    if not path:
+        return
+    try:
+        with open(path) as handle:
+            recorded = handle.read().strip()
+    except FileNotFoundError:
+        return
+    raise Interrupted(int(recorded) if recorded.isdigit() else signal.SIGTERM)

@@ -26,7 +26,7 @@ from ablate.backends import backend_preflight, backend_runner
 from ablate.cell import Cell, ConfigError, cell_from_config, resolved_config
 from ablate.config import choice_value
 from ablate.diagnostics import validate_record
-from ablate.interrupts import as_interrupted, signals_interrupt
+from ablate.interrupts import as_interrupted, check_not_stopping, signals_interrupt
 from ablate.progress import Progress
 from ablate.store import (
     CELL_FILE,
@@ -101,6 +101,7 @@ def run_cell(cfg: DictConfig) -> dict[str, Any]:
     if preflight is not None:  # a launch that cannot work fails here, before the cell is written
         preflight(cell)
     resolved = resolved_config(cfg)
+    check_not_stopping()  # a worker of a stopping sweep starts no new cell
     with signals_interrupt(), held(directory) as claim:
         view = inspect_cell(directory, cell.cell_id)
         if view.state is CellState.COMPLETE:  # another worker finished it while we looked

@@ -150,19 +150,54 @@ def finished(counts: Counter[CellState]) -> int:
     return counts[CellState.COMPLETE] + counts[CellState.FAILED] + counts[CellState.INTERRUPTED]
 
 
-def progress_line(sweep: str, counts: Counter[CellState], elapsed: float) -> str:
+def progress_line(sweep: str, counts: Counter[CellState], elapsed: float, eta: float | None = None) -> str:
     """``sweep s: 7 done, 1 running, 0 failed, 12 left [0:35 elapsed, 5.0 s/cell, ETA 1:00]``.
 
-    The rate counts cells that ended in this sweep; the ETA spreads the remaining ones (running
-    included) at that rate, so it holds for parallel launchers too.
+    The rate counts cells that ended in this sweep. The ETA is ``eta`` when given (see
+    :class:`Pace`), else the remaining cells (running included) at that rate.
     """
     remaining = counts[CellState.RUNNING] + counts[CellState.NEW]
     timing = f"{format_duration(elapsed)} elapsed"
     if finished(counts) and remaining:
         per_cell = elapsed / finished(counts)
-        timing += f", {per_cell:.1f} s/cell, ETA {format_duration(per_cell * remaining)}"
+        timing += f", {per_cell:.1f} s/cell, ETA {format_duration(per_cell * remaining if eta is None else eta)}"
     shown = [state for state in PROGRESS_WORDS if counts[state] or state is not CellState.INTERRUPTED]
     return f"sweep {sweep}: " + ", ".join(f"{counts[state]} {PROGRESS_WORDS[state]}" for state in shown) + f" [{timing}]"
+
+
+class Pace:
+    """The time left, from how long cells take and how many run at once.
+
+    A cell's duration runs from when the reporter first sees it running to when it first sees it
+    complete. The work left is what each running cell still needs (the mean duration less its
+    age, at least nothing) plus a mean duration per cell not started; spread over as many
+    workers as run now, that is the ETA. Unlike the elapsed time per cell, it is not inflated by a
+    launcher's start-up (Ray, submitit) nor by cells that ran side by side and ended together.
+    """
+
+    def __init__(self) -> None:
+        self.started: dict[Path, float] = {}
+        self.durations: list[float] = []
+        self._ended: set[Path] = set()
+
+    def update(self, states: dict[Path, CellState], now: float) -> None:
+        for path, state in states.items():
+            if state is CellState.RUNNING:
+                self.started.setdefault(path, now)
+            elif state is not CellState.NEW and path not in self._ended:
+                self._ended.add(path)
+                if state is CellState.COMPLETE and path in self.started:
+                    self.durations.append(now - self.started[path])
+
+    def eta(self, states: dict[Path, CellState], now: float) -> float | None:
+        """Seconds left, or None before a cell was seen both starting and completing."""
+        if not self.durations:
+            return None
+        mean = sum(self.durations) / len(self.durations)
+        ages = [now - self.started.get(path, now) for path, state in states.items() if state is CellState.RUNNING]
+        waiting = sum(state is CellState.NEW for state in states.values())
+        work = sum(max(mean - age, 0.0) for age in ages) + waiting * mean
+        return work / max(len(ages), 1)
 
 
 class ProgressReporter:
@@ -182,6 +217,7 @@ class ProgressReporter:
         self._stop = threading.Event()
         self._last: tuple[int, ...] | None = None
         self._bar = None
+        self.pace = Pace()
         if self.stream.isatty():
             from tqdm import tqdm
 
@@ -209,7 +245,9 @@ class ProgressReporter:
             self.report()
 
     def report(self) -> None:
-        counts = current_counts(self.planned)
+        states = {cell.directory: outcome(cell)[0] for cell in tracked(self.planned)}
+        counts = Counter(states.values())
+        self.pace.update(states, time.monotonic())
         if self._bar is not None:
             self._bar.n = finished(counts)
             self._bar.set_postfix_str(f"{counts[CellState.RUNNING]} running, {counts[CellState.FAILED]} failed",
@@ -219,13 +257,14 @@ class ProgressReporter:
         key = tuple(counts[state] for state in PROGRESS_WORDS)
         if key != self._last:
             self._last = key
-            print(progress_line(self.sweep, counts, self.elapsed), file=self.stream, flush=True)
+            eta = self.pace.eta(states, time.monotonic())
+            print(progress_line(self.sweep, counts, self.elapsed, eta), file=self.stream, flush=True)
 
 
-#: The words of the final tally: cells complete before the sweep are "skipped", and a cell the
-#: sweep did not manage to run is "not run".
+#: The words of the final tally: cells complete before the sweep are "skipped", a cell the sweep
+#: did not manage to run is "not run", and one a live worker still holds is "still running".
 TALLY_WORDS = {CellState.COMPLETE: "complete", CellState.FAILED: "failed", CellState.INTERRUPTED: "interrupted",
-               CellState.NEW: "not run"}
+               CellState.RUNNING: "still running", CellState.NEW: "not run"}
 
 
 @dataclass(frozen=True)
@@ -261,6 +300,9 @@ def tally(planned: Sequence[PlannedCell]) -> Tally:
                             "runs it again")
         elif ended is CellState.FAILED:
             problems.append(f"failed: {name}: {view.detail or view.state.value} ({where})")
+        elif ended is CellState.RUNNING:
+            problems.append(f"still running: {name}: {view.detail} ({where}); its worker had not ended when the "
+                            "sweep did")
         elif ended is not CellState.COMPLETE:
             problems.append(f"not run: {name}: {view.detail or 'the launcher did not run it'} ({where}); a rerun "
                             "of the sweep runs it")

@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class AblateGridSweeperConf:
     _target_: str = "hydra_plugins.ablate_grid_sweeper.grid_sweeper.AblateGridSweeper"
-    #: Cells handed to the launcher at once (None: all); progress is reported either way.
+    #: Cells handed to the launcher at once (None: all, or for submitit_local as many as the machine
+    #: has cores, since it starts a process per cell at once); progress is reported either way.
     max_batch_size: Optional[int] = None
     #: The grid, as in Hydra's basic sweeper: {key: "v1,v2,..."}.
     params: Optional[dict[str, str]] = None
@@ -136,6 +137,7 @@ class AblateGridSweeper(BasicSweeper):
     def _sweep(self, arguments: list[str]) -> Any:
         from ablate.cell import ConfigError
         from ablate.interrupts import as_interrupted, signals_interrupt
+        from ablate.launchers import default_batch_size, launch, settle, stop_file
         from ablate.overrides import quoted_override
         from ablate.store import StoreError, make_directory, store_root
         from ablate.sweep import ProgressReporter, describe_plan, plan_grid, tally, wait_for_others
@@ -171,19 +173,19 @@ class AblateGridSweeper(BasicSweeper):
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
 
         to_launch = [cell for cell in planned if cell.to_launch]
-        batch_size = self.max_batch_size or max(len(to_launch), 1)
+        batch_size = self.max_batch_size or default_batch_size(self.launcher, len(to_launch))
         returns = []
         stopped = None
         reporter = ProgressReporter(sweep_name, planned, interval=self.progress_interval)
-        with reporter:
+        with reporter, stop_file(sweep_dir):
             try:
                 with signals_interrupt():
                     for start in range(0, len(to_launch), batch_size):
-                        batch = [cell.overrides for cell in to_launch[start : start + batch_size]]
-                        returns.append(self.launcher.launch(batch, initial_job_idx=start))
+                        returns.append(launch(self.launcher, to_launch[start : start + batch_size], start))
                     wait_for_others(planned, self.progress_interval)
             except KeyboardInterrupt as error:
                 stopped = as_interrupted(error)
+            settle(to_launch)  # a launcher may return while its workers still record their cells
         result = tally(planned)
         print(result.line(sweep_name, reporter.elapsed, planned[0].directory.parent if planned else None), flush=True)
         for problem in result.problems:
