@@ -335,6 +335,10 @@ class AppConfig:
     objective: Any = "final_reward"
     #: Optuna trial number when the cell is a trial of a study.
     trial: Optional[int] = None
+    #: Modules to import before the policy is looked up, in every process that builds it: a policy
+    #: of your own whose package is not installed (``plugins=[my_policies]``). An installed package
+    #: needs no entry here: its entry point (group ``ablate.policies``) is found by itself.
+    plugins: list[str] = field(default_factory=list)
 
     def check(self) -> None:
         """Every section and every top-level value (the budget is checked with its policy)."""

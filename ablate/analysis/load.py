@@ -62,6 +62,7 @@ import pandas as pd
 import yaml
 
 from ablate.analysis.outcomes import cell_outcomes
+from ablate.arms import arm_name
 from ablate.store import StoreError, read_json
 
 ID_COLUMNS: tuple[str, ...] = (
@@ -313,7 +314,7 @@ def _with_arm(meta: dict[str, Any]) -> dict[str, Any]:
     """
     variant = meta.get("variant") or ""
     name = meta.get("policy")
-    return {**meta, "policy_name": name, "variant": variant, "policy": f"{name}[{variant}]" if variant else name}
+    return {**meta, "policy_name": name, "variant": variant, "policy": arm_name(name, variant)}
 
 
 def _read_store(sweep_path: Path, on_corrupt: str) -> tuple[list[_LoadedCell], dict[str, int], list[str]]:

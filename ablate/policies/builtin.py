@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ablate.budget import Quotas
+from ablate.config import BudgetedPolicyConfig, FisherPolicyConfig
 from ablate.policies.base import PolicyError, ReplayPolicy, register_policy
 from ablate.policies.selection import Draws
 from ablate.routes import Routes, token_chunks
@@ -18,6 +19,8 @@ from ablate.routes import Routes, token_chunks
 @register_policy("none")
 class NoReplay(ReplayPolicy):
     """Replays nothing: the training router routes every token natively (budget 0)."""
+
+    fixed_budget = 0.0
 
     def __init__(self) -> None:
         super().__init__()
@@ -30,6 +33,8 @@ class NoReplay(ReplayPolicy):
 class FullReplay(ReplayPolicy):
     """R3: replays every valid route (budget 1)."""
 
+    fixed_budget = 1.0
+
     def __init__(self) -> None:
         super().__init__()
 
@@ -40,6 +45,8 @@ class FullReplay(ReplayPolicy):
 @register_policy("random")
 class RandomReplay(ReplayPolicy):
     """n routes uniformly at random without replacement: the budget-only control."""
+
+    Settings = BudgetedPolicyConfig
 
     def __init__(self, *, per_layer: bool = False) -> None:
         super().__init__(per_layer=per_layer)
@@ -170,6 +177,9 @@ class FisherReplay(ReplayPolicy):
     tracker's shape, is checked at :meth:`select`, where the routes are known.
     """
 
+    Settings = FisherPolicyConfig
+    reads_fisher = True
+
     def __init__(
         self,
         *,
@@ -274,6 +284,9 @@ class MismatchReplay(ReplayPolicy):
     Needs native routes (from the old-log-prob pass): an oracle-like upper bound for "replay
     where it matters".
     """
+
+    Settings = BudgetedPolicyConfig
+    needs_native_routes = True
 
     def __init__(self, *, per_layer: bool = False) -> None:
         super().__init__(per_layer=per_layer)
