@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from ablate.analysis.outcomes import check_objective
 from ablate.arms import arm_name
 from ablate.budget import check_budget
 from ablate.config import AppConfig, BackendConfig, ConfigError, FisherEstimateConfig, choice_value
@@ -110,6 +111,7 @@ def cell_from_config(cfg: DictConfig) -> Cell:
     app = OmegaConf.to_object(cfg)
     assert isinstance(app, AppConfig)
     app.check()
+    check_objective(app.objective)
     resolved = resolved_config(cfg)
     budget = resolved["budget"]
     policy_cfg = resolved["policy"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Protocol
 
 import torch
@@ -10,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ablate.budget import Quotas
-from ablate.config import BudgetedPolicyConfig, FisherPolicyConfig
+from ablate.config import TEMPERATURE, BudgetedPolicyConfig, FisherPolicyConfig, is_temperature
 from ablate.policies.base import PolicyError, ReplayPolicy, register_policy
 from ablate.policies.selection import Draws
 from ablate.routes import Routes, token_chunks
@@ -191,8 +190,8 @@ class FisherReplay(ReplayPolicy):
         super().__init__(per_layer=per_layer)
         if scores is not None and fisher is not None:
             raise PolicyError("policy=fisher got both scores= and fisher=: expected one source of the Fisher estimate")
-        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or math.isnan(tau) or tau < 0:
-            raise PolicyError(f"tau={tau!r} in policy=fisher: expected a temperature >= 0")
+        if not is_temperature(tau):
+            raise PolicyError(f"tau={tau!r} in policy=fisher: expected {TEMPERATURE}")
         if fisher is not None and not (hasattr(fisher, "has_estimate") and callable(getattr(fisher, "scores", None))):
             raise PolicyError(
                 f"fisher={type(fisher).__name__} in policy=fisher: expected a Fisher source with has_estimate and "

@@ -40,11 +40,12 @@ from typing import Any
 
 import wandb
 
+from ablate.config import TrackingMode
 from ablate.tracking.offline_reader import STEP_KEY, is_complete
 
 logger = logging.getLogger(__name__)
 
-TRACKER_MODES = ("offline", "online", "disabled")
+TRACKER_MODES: tuple[str, ...] = tuple(mode.value for mode in TrackingMode)  # the config schema's choices
 
 #: Set once an online run of this process failed to reach the server: later cells log offline.
 _server_unreachable: list[str] = []
