@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException
-from omegaconf.errors import ConfigKeyError, ValidationError
+from omegaconf.errors import ValidationError
 
 from ablate.app import plugins_from_arguments
 from ablate.arms import arm_name, arm_policy
@@ -110,9 +110,8 @@ def test_a_plugin_setting_of_the_wrong_type_or_an_unknown_key_fails_at_compositi
     with pytest.raises(ConfigCompositionException) as error:
         compose_config("policy=last_layers", "budget=0.5", "policy.depth_weight=heavy")
     assert isinstance(error.value.__cause__, ValidationError)
-    with pytest.raises(ConfigCompositionException) as error:
+    with pytest.raises(ConfigCompositionException, match="Could not override 'policy.tau'"):
         compose_config("policy=last_layers", "budget=0.5", "policy.tau=1")
-    assert isinstance(error.value.__cause__, ConfigKeyError)
 
 
 def test_a_plugin_value_its_policy_refuses_fails_before_anything_is_written(user_module, tmp_path):

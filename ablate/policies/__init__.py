@@ -11,6 +11,7 @@ from ablate.policies.base import (
     load_plugins,
     policy_class,
     register_policy,
+    register_policy_options,
 )
 from ablate.policies.selection import Draws
 from ablate.policies.builtin import (
@@ -43,5 +44,6 @@ __all__ = [
     "load_plugins",
     "policy_class",
     "register_policy",
+    "register_policy_options",
     "route_scores",
 ]

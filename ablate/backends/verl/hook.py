@@ -34,7 +34,7 @@ from ablate.backends.verl.patch import CallInfo, augment_routes, split_augmented
 from ablate.backends.verl.selection import MicroBatchSelection, select_micro_batch, sequence_keys
 from ablate.budget import check_budget
 from ablate.diagnostics.metrics import ROUTE_COUNTS
-from ablate.policies import PolicySpec, get_policy
+from ablate.policies import NoReplay, PolicySpec
 from ablate.routes import native_margin
 
 #: Sums pooled over a step and the world: the shared route counts and the fallback flag.
@@ -118,7 +118,7 @@ class ReplayMaskHook:
         self.needs_native = policy.needs_native_routes
         self.budget = check_budget(settings.budget, settings.policy.name, fixed=policy.fixed_budget)
         self.policy = self.tracker = None
-        self._no_replay = get_policy("none")
+        self._no_replay = NoReplay()  # a native pass replays nothing
         self._call: _Call | None = None
         self._native_routes: dict[bytes, Tensor] = {}
         self._reset_step()
