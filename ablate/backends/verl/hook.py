@@ -76,7 +76,7 @@ class _Call:
     info: CallInfo
     #: ``[tokens, route layers, topk]`` native expert id + 1 written by this rank's routers (0: not here).
     native: Tensor
-    #: a forward that replays nothing, run only to record native routes (a policy that ``needs_native_routes``, such as ``mismatch``).
+    #: a forward that replays nothing, run only to record native routes (``needs_native_routes``).
     native_pass: bool = False
     #: ``[tokens, route layers]`` native margins (``ablate.routes.native_margin``) written with ``native``.
     native_margin: Tensor | None = None
@@ -120,7 +120,7 @@ class ReplayMaskHook:
         self.policy = self.tracker = None
         self._no_replay = NoReplay()  # a native pass replays nothing
         self._call: _Call | None = None
-        self._native_routes: dict[bytes, Tensor] = {}
+        self._native_routes: dict[bytes, tuple[Tensor, Tensor]] = {}
         self._reset_step()
 
     def _reset_step(self) -> None:
