@@ -75,6 +75,7 @@ def user_module(tmp_path, monkeypatch):
     """The module on the path, imported and offered as a ``policy`` option; all of it undone after."""
     from hydra.core.config_store import ConfigStore
 
+    import ablate.conf  # noqa: F401  (registers the schemas before the store is copied)
     from ablate.policies import base
 
     folder = tmp_path / "user_code"
@@ -189,6 +190,7 @@ def test_the_example_margin_policy_replays_the_closest_ties_and_needs_native_rou
     monkeypatch.syspath_prepend(str(REPO / "examples" / "margin_policy"))
     from margin_policy import MarginReplay
 
+    monkeypatch.setattr(MarginReplay, "name", "margin", raising=False)  # its entry point names it when installed
     assert MarginReplay.needs_native_routes and MarginReplay.fixed_budget is None and not MarginReplay.reads_fisher
     rollout = torch.tensor([[[0, 1]], [[1, 2]], [[2, 3]], [[0, 3]]])
     margins = torch.tensor([[0.9], [0.01], [0.5], [0.02]])
