@@ -23,4 +23,4 @@ def arm_name(policy: str, variant: str = "", *, in_path: bool = False) -> str:
 
 def arm_policy(arm: str) -> str:
     """The policy of an arm written by :func:`arm_name`, in either spelling (``fisher[tau=1.0]`` -> ``fisher``)."""
-    return re.split(r"[[+]", arm, maxsplit=1)[0]
+    return re.split(r"[\[+]", arm, maxsplit=1)[0]

@@ -8,7 +8,6 @@ verl router tests) is ``test_margin_example.py``.
 
 from __future__ import annotations
 
-import copy
 import re
 import subprocess
 import sys
@@ -75,21 +74,19 @@ def user_module(tmp_path, monkeypatch):
     """The module on the path, imported and offered as a ``policy`` option; all of it undone after."""
     from hydra.core.config_store import ConfigStore
 
-    import ablate.conf  # noqa: F401  (registers the schemas before the store is copied)
     from ablate.policies import base
 
     folder = tmp_path / "user_code"
     folder.mkdir()
     (folder / "last_layers_policy.py").write_text(LAST_LAYERS_MODULE)
     monkeypatch.syspath_prepend(str(folder))
-    store = ConfigStore.instance()
-    monkeypatch.setattr(store, "repo", copy.deepcopy(store.repo))
     monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
     monkeypatch.delitem(sys.modules, "last_layers_policy", raising=False)
     load_plugins(["last_layers_policy"])
     register_policy_options()
     yield folder
     sys.modules.pop("last_layers_policy", None)
+    ConfigStore.instance().repo["policy"].pop("last_layers.yaml", None)
 
 
 def test_a_module_named_in_plugins_composes_typed_checks_and_runs_like_a_builtin(user_module, tmp_path):
