@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 SOURCES = ("ablate", "conf", "sweeps", "hydra_plugins", "examples", "pyproject.toml", "README.md")
 
 
-def run(command: list[str], cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess:
+def run(command: list[str], cwd: Path, timeout: float = 2400) -> subprocess.CompletedProcess:
+    """One command; installing ablate's dependencies into an empty venv takes minutes."""
     done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"{' '.join(command)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done
