@@ -291,15 +291,19 @@ def get_policy(name: str, **settings: Any) -> ReplayPolicy:
 
 
 def register_policy_options() -> None:
-    """Offer every known policy's ``Settings`` as an option of the ``policy`` config group.
+    """Offer every known policy without a YAML file in ``ablate.conf`` as a ``policy`` option.
 
-    This is what makes ``policy=<name>`` compose for an installed or imported policy, with its
-    own settings typed and checked by Hydra like the built-ins'. A YAML file of the same name
-    (the built-ins' ``conf/policy/*.yaml``, or one under ``--config-dir``) comes first in Hydra's
-    search path and wins.
+    This is what makes ``policy=<name>`` compose for an installed or imported policy, its
+    ``Settings`` typed and checked by Hydra like the built-ins'. The built-ins have their
+    ``conf/policy/<name>.yaml`` (extending the same schemas); storing an option of the same name
+    beside a file would make Hydra merge the two, with a deprecation warning.
     """
+    from importlib import resources
+
     from hydra.core.config_store import ConfigStore
 
+    shipped = resources.files("ablate.conf").joinpath("policy")
     store = ConfigStore.instance()
     for name in available_policies():
-        store.store(group="policy", name=name, node=_REGISTRY[name].Settings(name=name))
+        if not shipped.joinpath(f"{name}.yaml").is_file():
+            store.store(group="policy", name=name, node=_REGISTRY[name].Settings(name=name))
