@@ -25,6 +25,8 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 # ablate itself, editable, plus the core runtime deps from pyproject.toml (torch is already pinned).
 "${PIP[@]}" torch==2.13.0 "optuna>=4.0" "wandb>=0.31" "filelock>=3.12" "psutil>=5.9" "tqdm>=4.66"
 "${PIP[@]}" --no-deps -e "$REPO"
+# The worked example policy package: the router-level tests run it beside the built-ins.
+"${PIP[@]}" --no-deps -e "$REPO/examples/margin_policy"
 
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md

@@ -12,11 +12,40 @@ should not pay for torch, pandas and wandb.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 import hydra
 from omegaconf import DictConfig
 
 CONFIG_PATH = "pkg://ablate.conf"
+
+
+def plugins_from_arguments(arguments: Sequence[str]) -> list[str]:
+    """The modules a ``plugins=[...]`` override on the command line names (``[]`` without one)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    given = [a for a in arguments if a.split("=", 1)[0].lstrip("+") == "plugins" and "=" in a]
+    modules: list[str] = []
+    for override in OverridesParser.create().parse_overrides(given):
+        value = override.value()
+        modules += [str(v) for v in value] if isinstance(value, list) else [str(value)]
+    return modules
+
+
+def main() -> float | list[float] | None:
+    """``ablate ...``: a policy module named by ``plugins=[...]`` is imported before Hydra composes,
+    so that ``policy=<its name>`` is an option of the ``policy`` group."""
+    plugins = plugins_from_arguments(sys.argv[1:])
+    if plugins:
+        from ablate.policies import PolicyError, load_plugins, register_policy_options
+
+        try:
+            load_plugins(plugins)
+        except PolicyError as error:
+            print(f"ablate: {error}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        register_policy_options()
+    return app()
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")

@@ -25,10 +25,6 @@ from torch import Tensor
 
 from ablate.routes import Routes
 
-#: Policies whose budget is fixed by definition, with that budget.
-FIXED_BUDGETS = {"none": 0.0, "full": 1.0}
-
-
 def budget_label(budget: float) -> str:
     """A budget as text that tells every two distinct budgets apart: ``0.25``, ``1``, ``0.999999999``.
 
@@ -44,15 +40,15 @@ class BudgetError(ValueError):
     """A budget that is not a fraction in [0, 1], or that contradicts its policy."""
 
 
-def check_budget(budget: float | None, policy: str | None = None) -> float:
+def check_budget(budget: float | None, policy: str | None = None, *, fixed: float | None = None) -> float:
     """The budget as a float in [0, 1], or a clear error.
 
-    ``none`` and ``full`` have a budget by definition (0 and 1): ``None`` resolves to it, the same
-    value is accepted, any other value is a caller bug and raises.
+    A policy with a budget by definition (``fixed``: ``none`` has 0, ``full`` 1, see
+    ``ReplayPolicy.fixed_budget``): ``None`` resolves to it, the same value is accepted, any other
+    value is a caller bug and raises. ``policy`` only names the policy in the message.
     """
     where = f" in policy={policy}" if policy else ""
-    if policy in FIXED_BUDGETS:
-        fixed = FIXED_BUDGETS[policy]
+    if fixed is not None:
         if budget is None:
             return fixed
         value = _as_fraction(budget, where)

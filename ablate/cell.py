@@ -10,20 +10,22 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import re
 from dataclasses import dataclass, fields
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ablate.budget import FIXED_BUDGETS, budget_label, check_budget
+from ablate.analysis.outcomes import check_objective
+from ablate.arms import arm_name
+from ablate.budget import budget_label, check_budget
 from ablate.config import AppConfig, BackendConfig, ConfigError, FisherEstimateConfig, choice_value
 from ablate.diagnostics import SCHEMA_VERSION
 from ablate.fisher import FisherTracker
-from ablate.policies import PolicySpec, ReplayPolicy, available_policies, get_policy
+from ablate.policies import PolicyError, PolicySpec, ReplayPolicy, get_policy, load_plugins, policy_class
 
-#: Top-level config keys that never change what a cell computes.
-NOT_IDENTITY = ("tracking", "store_dir", "sweep", "objective", "hydra")
+#: Top-level config keys that never change what a cell computes (``plugins`` says where a policy's
+#: code is found; the policy's name and settings are what the cell computes with).
+NOT_IDENTITY = ("tracking", "store_dir", "sweep", "objective", "hydra", "plugins")
 
 
 __all__ = ["Cell", "ConfigError", "cell_from_config", "cell_name", "policy_for", "resolved_config"]
@@ -45,6 +47,8 @@ class Cell:
     #: Non-default policy settings, e.g. ``tau=1,fisher.estimator=expert_params`` ("" for defaults):
     #: with the policy it names the arm a cell belongs to in an analysis.
     variant: str = ""
+    #: Modules imported before the policy is looked up (the config's ``plugins``).
+    plugins: tuple[str, ...] = ()
 
     @property
     def dirname(self) -> str:
@@ -66,7 +70,7 @@ class Cell:
         """The cell's policy and Fisher settings, as every backend builds them."""
         return PolicySpec(
             name=self.policy, settings=dict(self.policy_settings), fisher_decay=self.fisher.decay,
-            fisher_normalize=choice_value(self.fisher.normalize),
+            fisher_normalize=choice_value(self.fisher.normalize), plugins=self.plugins,
         )
 
 
@@ -78,18 +82,14 @@ def cell_name(policy: str, budget: float, seed: int, trial: int | None = None, v
     brackets are glob characters in a shell and in ``Path.glob``). Trials of an Optuna study get ``-t<number>``:
     they share policy, budget and seed.
     """
-    arm = f"{policy}+{UNSAFE_IN_NAME.sub('_', variant)}" if variant else policy
-    name = f"{arm}-s{seed}" if policy in FIXED_BUDGETS else f"{arm}-b{budget_label(budget)}-s{seed}"
+    arm = arm_name(policy, variant, in_path=True)
+    name = f"{arm}-s{seed}" if policy_class(policy).fixed_budget is not None else f"{arm}-b{budget_label(budget)}-s{seed}"
     return name if trial is None else f"{name}-t{trial}"
-
-
-#: What a cell name (a directory of the run store) may not hold: separators, spaces, quotes.
-UNSAFE_IN_NAME = re.compile(r"[^A-Za-z0-9._=,+-]")
 
 
 def resolved_budget(cfg: DictConfig) -> float:
     try:
-        return check_budget(cfg.budget, cfg.policy.name)
+        return check_budget(cfg.budget, cfg.policy.name, fixed=policy_class(cfg.policy.name).fixed_budget)
     except ValueError as error:
         raise ConfigError(f"{error} (from the config key budget)") from None
 
@@ -98,14 +98,20 @@ def cell_from_config(cfg: DictConfig) -> Cell:
     """Validate every value of a composed config and turn it into a :class:`Cell`, before any work.
 
     The checks: each config section's ``check()`` (``ablate.config``), the policy name, the
-    budget against the policy, and the policy's own settings through ``get_policy``.
+    budget against the policy, and the policy's own settings through ``get_policy``. The modules
+    the config lists under ``plugins`` are imported first, in whichever process this runs.
     """
     name = cfg.policy.name
-    if name not in available_policies():
-        raise ConfigError(f"policy.name={name!r}: expected one of {', '.join(available_policies())}")
+    plugins = tuple(str(module) for module in cfg.get("plugins") or ())
+    try:
+        load_plugins(plugins)
+        policy_class(name)
+    except PolicyError as error:
+        raise ConfigError(f"policy.name={name!r}: {error}") from None
     app = OmegaConf.to_object(cfg)
     assert isinstance(app, AppConfig)
     app.check()
+    check_objective(app.objective)
     resolved = resolved_config(cfg)
     budget = resolved["budget"]
     policy_cfg = resolved["policy"]
@@ -121,7 +127,7 @@ def cell_from_config(cfg: DictConfig) -> Cell:
     assert isinstance(backend, BackendConfig) and isinstance(fisher, FisherEstimateConfig)
     return Cell(
         backend=backend, policy=name, policy_settings=settings, fisher=fisher, budget=budget, seed=int(cfg.seed),
-        sweep=str(cfg.sweep), cell_id=cell_id, trial=cfg.get("trial"), variant=variant,
+        sweep=str(cfg.sweep), cell_id=cell_id, trial=cfg.get("trial"), variant=variant, plugins=plugins,
         name=cell_name(name, budget, int(cfg.seed), cfg.get("trial"), variant),
     )
 
@@ -131,14 +137,15 @@ def variant_of(policy: str, settings: dict[str, Any], fisher: dict[str, Any]) ->
 
     Cells of one policy with different settings (a temperature sweep, per-layer against global
     budgets) are different arms of an ablation; this names them. The Fisher estimate settings
-    count only for the fisher policy, the one that reads the estimate.
+    count only for a policy that reads the estimate (``reads_fisher``).
     """
+    cls = policy_class(policy)
     defaults = {
-        p.name: p.default for p in inspect.signature(type(get_policy(policy)).__init__).parameters.values()
+        p.name: p.default for p in inspect.signature(cls.__init__).parameters.values()
         if p.kind is inspect.Parameter.KEYWORD_ONLY
     }
     changed = [f"{k}={v}" for k, v in sorted(settings.items()) if k in defaults and defaults[k] != v]
-    if policy == "fisher":
+    if cls.reads_fisher:
         base = {f.name: choice_value(getattr(FisherEstimateConfig(), f.name)) for f in fields(FisherEstimateConfig)}
         changed += [f"fisher.{k}={v}" for k, v in sorted(fisher.items()) if base.get(k) != v]
     return ",".join(changed)

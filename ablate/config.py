@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, ClassVar, Optional
@@ -58,6 +57,26 @@ def require_positive(key: str, value: Any) -> None:
     require(is_number(value) and value > 0, key, value, "a finite number > 0")
 
 
+# The rules below are each checked in one place and worded once: by the config schema here, and
+# by the library objects (the Fisher tracker, the fisher policy) that take the same values in code.
+
+#: An EMA decay across steps: 0 keeps only the last step; 1 would never update (and the bias
+#: correction ``1 - decay**t`` would divide by zero), so it is excluded.
+EMA_DECAY = "an EMA decay in [0, 1)"
+
+
+def is_ema_decay(value: Any) -> bool:
+    return is_number(value) and 0.0 <= value < 1.0
+
+
+#: A sampling temperature (the fisher policy's ``tau``): 0 is deterministic top-n.
+TEMPERATURE = "a finite temperature >= 0"
+
+
+def is_temperature(value: Any) -> bool:
+    return is_number(value) and value >= 0
+
+
 class TrackingMode(str, Enum):
     offline = "offline"
     online = "online"
@@ -90,14 +109,12 @@ class FisherEstimateConfig:
     KEY: ClassVar[str] = "policy.fisher"
 
     estimator: Estimator = Estimator.router_logits
-    #: EMA decay across steps: 0 keeps only the last step; 1 would never update (and the bias
-    #: correction ``1 - decay**t`` would divide by zero), so it is excluded.
+    #: EMA decay across steps (:data:`EMA_DECAY`).
     decay: float = 0.9
     normalize: Normalization = Normalization["none"]  # type: ignore[valid-type]
 
     def check(self) -> None:
-        require(is_number(self.decay) and 0.0 <= self.decay < 1.0, f"{self.KEY}.decay", self.decay,
-                "an EMA decay in [0, 1)")
+        require(is_ema_decay(self.decay), f"{self.KEY}.decay", self.decay, EMA_DECAY)
 
 
 @dataclass
@@ -123,7 +140,7 @@ class FisherPolicyConfig(BudgetedPolicyConfig):
 
     def check(self) -> None:
         super().check()
-        require(is_number(self.tau) and self.tau >= 0, "policy.tau", self.tau, "a finite temperature >= 0")
+        require(is_temperature(self.tau), "policy.tau", self.tau, TEMPERATURE)
 
 
 # --- backends -----------------------------------------------------------------------------
@@ -340,14 +357,19 @@ class AppConfig:
     objective: Any = "final_reward"
     #: Optuna trial number when the cell is a trial of a study.
     trial: Optional[int] = None
+    #: Modules to import before the policy is looked up, in every process that builds it: a policy
+    #: of your own whose package is not installed (``plugins=[my_policies]``). An installed package
+    #: needs no entry here: its entry point (group ``ablate.policies``) is found by itself.
+    plugins: list[str] = field(default_factory=list)
 
     def check(self) -> None:
-        """Every section and every top-level value (the budget is checked with its policy)."""
-        from ablate.backends import BACKENDS
+        """Every section and every top-level value (the budget is checked with its policy, the
+        objective with the outcomes: :func:`ablate.analysis.outcomes.check_objective`)."""
+        from ablate.backends import backend_names
 
         # A misspelt backend.name composes (the field is a string) but has nothing to run the cell.
-        require(self.backend.name in BACKENDS, "backend.name", self.backend.name,
-                f"one of {', '.join(sorted(BACKENDS))} (choose a backend with backend=<name>)")
+        require(self.backend.name in backend_names(), "backend.name", self.backend.name,
+                f"one of {', '.join(backend_names())} (choose a backend with backend=<name>)")
         self.backend.check()
         self.policy.check()
         self.tracking.check()
@@ -356,7 +378,6 @@ class AppConfig:
             require_int("trial", self.trial, 0)
         require(bool(self.store_dir), "store_dir", self.store_dir, "a directory for the run store")
         check_sweep_name(self.sweep)
-        check_objective(self.objective)
         if self.backend.name == "verl":  # the verl hook measures router-logit gradients only
             estimator = choice_value(self.policy.fisher.estimator)
             require(estimator == "router_logits", "policy.fisher.estimator", estimator,
@@ -373,23 +394,6 @@ def check_sweep_name(name: Any) -> str:
             repr(name), "one directory name of at most 128 letters, digits and . _ - = + , starting with a "
             "letter or digit")
     return name
-
-
-def objective_names() -> list[str]:
-    """Keys a cell's summary always holds: the outcomes, the schema's diagnostics and ``steps``."""
-    from ablate.analysis.outcomes import OUTCOME_NAMES
-    from ablate.diagnostics import SCHEMA
-
-    return [*OUTCOME_NAMES, "steps", *SCHEMA]
-
-
-def check_objective(objective: Any) -> None:
-    names = [objective] if isinstance(objective, str) else objective
-    known = objective_names()
-    ok = isinstance(names, Iterable) and bool(names) and all(isinstance(n, str) and n in known for n in names)
-    require(ok, "objective", objective,
-            f"a summary key or a list of them: an outcome ({', '.join(known[:known.index('steps')])}), "
-            "steps, or a diagnostics key such as mismatch/kl_k3")
 
 
 def register_configs() -> None:

@@ -28,17 +28,19 @@ as ``replay/fisher_nonfinite``) and warns when a step had any.
 from __future__ import annotations
 
 import logging
-import math
 import numbers
 from typing import Literal
 
 import torch
 from torch import Tensor
 
+from ablate import config
+
 Estimator = Literal["router_logits", "expert_outputs", "expert_params"]
 Normalization = Literal["none", "layer", "global"]
-ESTIMATORS: tuple[str, ...] = ("router_logits", "expert_outputs", "expert_params")
-NORMALIZATIONS: tuple[str, ...] = ("none", "layer", "global")
+#: The choices, from the config schema's enums (their one definition).
+ESTIMATORS: tuple[str, ...] = tuple(choice.value for choice in config.Estimator)
+NORMALIZATIONS: tuple[str, ...] = tuple(choice.value for choice in config.Normalization)
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +55,8 @@ def check_tracker_settings(*, decay: object = 0.9, normalize: object = "none") -
     Call it wherever the settings arrive (a config, a checkpoint) so a bad value fails before any
     work starts.
     """
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or math.isnan(decay) or not 0.0 <= decay < 1.0:
-        raise FisherError(f"decay={decay!r} in the Fisher tracker: expected an EMA decay in [0, 1)")
+    if not config.is_ema_decay(decay):
+        raise FisherError(f"decay={decay!r} in the Fisher tracker: expected {config.EMA_DECAY}")
     if normalize not in NORMALIZATIONS:
         raise FisherError(f"normalize={normalize!r} in the Fisher tracker: expected one of {', '.join(NORMALIZATIONS)}")
     return float(decay), str(normalize)

@@ -40,6 +40,10 @@ class Routes:
             and distinct within its route (the verl hook checks each route it receives for being
             recorded; native routes are a router's own top-k), so that pass over the ids is not
             repeated. Every other check still runs.
+        native_margin: optional ``[tokens, layers]`` float, the training router's k-th largest
+            score minus its (k+1)-th, recorded with ``native`` (``inf`` where every expert is in
+            the top-k). A small margin is a near-tie: where rollout and training numerics flip
+            the route most easily.
 
     ``valid`` must be a bool tensor or an integer tensor of 0s and 1s: a float mask (0.3, NaN)
     has no single meaning, so it is rejected rather than cast. Ids on invalid tokens are never
@@ -54,6 +58,7 @@ class Routes:
     router_logits: Tensor | None = None
     offsets: Tensor | None = None
     ids_checked: bool = False
+    native_margin: Tensor | None = None
 
     def __post_init__(self) -> None:
         _check_route_tensor("rollout", self.rollout)
@@ -86,9 +91,13 @@ class Routes:
                 raise RoutesError(
                     f"router_logits has shape {tuple(self.router_logits.shape)}: expected [tokens, layers, num_experts]={expected}"
                 )
+        if self.native_margin is not None and (tuple(self.native_margin.shape) != (tokens, layers)
+                                               or not self.native_margin.dtype.is_floating_point):
+            raise RoutesError(f"native_margin has shape {tuple(self.native_margin.shape)} and dtype "
+                              f"{self.native_margin.dtype}: expected float [tokens, layers]=[{tokens}, {layers}]")
         if self.offsets is not None:
             object.__setattr__(self, "offsets", _checked_offsets(self.offsets, tokens))
-        for name in ("valid", "native", "router_logits", "offsets"):
+        for name in ("valid", "native", "router_logits", "offsets", "native_margin"):
             tensor = getattr(self, name)
             if tensor is not None and tensor.device != self.rollout.device:
                 raise RoutesError(f"{name} is on {tensor.device} but rollout is on {self.rollout.device}: keep one device")
@@ -190,6 +199,14 @@ class Routes:
             raise RoutesError(f"batch * seq = {batch} * {seq} = {batch * seq}: expected the {self.num_tokens} tokens of these routes")
         out = torch.where(self.valid[:, None, None], self.rollout, torch.zeros_like(self.rollout))
         return out.to(dtype).reshape(batch, seq, self.num_layers, self.topk)
+
+
+def native_margin(scores: Tensor, native: Tensor) -> Tensor:
+    """``[...]`` a router's k-th largest score minus its (k+1)-th, from its scores ``[..., experts]``
+    and its top-k ``native`` ``[..., k]`` (``inf`` where every expert is in the top-k)."""
+    kth = scores.gather(-1, native).min(-1).values
+    rest = scores.scatter(-1, native, float("-inf")).max(-1).values
+    return kth - rest
 
 
 def mask_to_verl(mask: Tensor, batch: int, seq: int) -> Tensor:

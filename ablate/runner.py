@@ -22,7 +22,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ablate.analysis.outcomes import cell_outcomes
-from ablate.backends import backend_preflight, backend_runner
+from ablate.backends import RunContext, get_backend
 from ablate.cell import Cell, ConfigError, cell_from_config, resolved_config
 from ablate.config import choice_value
 from ablate.diagnostics import validate_record
@@ -91,7 +91,7 @@ def run_cell(cfg: DictConfig) -> dict[str, Any]:
     interrupted), and the backend's own error when the cell fails (recorded as failed).
     """
     cell = cell_from_config(cfg)
-    preflight = backend_preflight(cell.backend.name)
+    preflight = get_backend(cell.backend.name).preflight
     if getattr(cell.backend, "dry_run", False):  # a checked launch command; nothing is written
         return {"dry_run": preflight(cell) if preflight else f"backend={cell.backend.name} runs in process"}
     directory = cell_directory(cfg, cell)
@@ -146,8 +146,7 @@ def _run_started_cell(cfg: DictConfig, cell: Cell, resolved: dict[str, Any], rec
         )
         progress = Progress(cell.name, int(getattr(cell.backend, "steps", 0) or 0),
                             enabled=cfg.tracking.progress and not in_multirun())
-        os.environ["ABLATE_CELL_DIR"] = str(recorder.dir)  # where a backend keeps its own files
-        backend_runner(cell.backend.name)(cell, log_step)
+        get_backend(cell.backend.name).run(cell, RunContext(directory=recorder.dir, log_step=log_step, log=log))
         if recorder.records.empty:  # a complete cell always has records: the analysis relies on it
             raise RuntimeError(f"backend={cell.backend.name} returned without logging a step")
         summary = summarize_records(recorder.records)

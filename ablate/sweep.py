@@ -30,8 +30,8 @@ from typing import TextIO
 
 from omegaconf import DictConfig
 
-from ablate.budget import FIXED_BUDGETS
 from ablate.cell import Cell, ConfigError, cell_from_config
+from ablate.policies import fixed_budget_of, load_plugins
 from ablate.store import CellState, CellView, inspect_cell, sweep_dir
 
 #: The words progress lines use for the states of the cells a sweep launches or waits for.
@@ -73,7 +73,8 @@ def plan_grid(jobs: Sequence[Sequence[str]], compose: Callable[[list[str]], Dict
         overrides = list(job)
         try:
             cfg = compose(overrides)
-            fixed = FIXED_BUDGETS.get(cfg.policy.name)
+            load_plugins(str(module) for module in cfg.get("plugins") or ())
+            fixed = fixed_budget_of(cfg.policy.name)
             if fixed is not None and cfg.budget is not None and cfg.budget != fixed:
                 overrides = [o for o in overrides if override_key(o) != "budget"] + ["budget=null"]
                 cfg = compose(overrides)

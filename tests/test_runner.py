@@ -10,7 +10,8 @@ import pandas as pd
 import pytest
 from conftest import compose_config
 
-from ablate.backends import BACKENDS
+from ablate.backends import BACKENDS, Backend
+from ablate.config import NoopConfig, SyntheticConfig
 from ablate.cell import ConfigError, cell_from_config
 from ablate.diagnostics import SCHEMA, SCHEMA_VERSION, validate_record
 from ablate.runner import run_cell
@@ -80,18 +81,18 @@ def test_wandb_unreachable_keeps_the_cell(tmp_path, monkeypatch):
 
 
 def test_failing_cell_is_recorded_with_error_and_traceback(tmp_path, monkeypatch):
-    def explode(cell, log_step):
+    def explode(cell, context):
         from ablate.backends.synthetic import run_cell_steps
 
         def two_steps_then_fail(step, record):
             if step == 2:
                 raise RuntimeError("planted failure at step 2")
-            log_step(step, record)
+            context.log_step(step, record)
 
         run_cell_steps(cell, two_steps_then_fail)
 
     monkeypatch.setitem(BACKENDS, "synthetic", f"{__name__}:_unused")
-    monkeypatch.setattr(sys.modules[__name__], "_unused", explode, raising=False)
+    monkeypatch.setattr(sys.modules[__name__], "_unused", Backend("synthetic", SyntheticConfig, explode), raising=False)
     cfg = compose_config("policy=full", "tracking.mode=offline", store=tmp_path)
     with pytest.raises(RuntimeError, match="planted failure"):
         run_cell(cfg)
@@ -104,7 +105,7 @@ def test_failing_cell_is_recorded_with_error_and_traceback(tmp_path, monkeypatch
     (run_dir,) = find_offline_runs(cell / "wandb")
     assert read_offline_run(run_dir).exit_code == 1
     # A rerun is a new attempt of the same cell.
-    monkeypatch.setitem(BACKENDS, "synthetic", "ablate.backends.synthetic:run_cell_steps")
+    monkeypatch.setitem(BACKENDS, "synthetic", "ablate.backends.synthetic:BACKEND")
     run_cell(cfg)
     assert read_json(cell / "status.json")["attempt"] == 2
 
@@ -241,7 +242,8 @@ def test_full_replay_removes_residual_mismatch_and_lowers_kl(tmp_path):
 def test_a_backend_that_logs_no_step_fails_its_cell(tmp_path, monkeypatch):
     """A complete cell always has records, so resume and the analysis can trust 'complete'."""
     monkeypatch.setitem(BACKENDS, "noop", f"{__name__}:_silent")
-    monkeypatch.setattr(sys.modules[__name__], "_silent", lambda cell, log_step: None, raising=False)
+    monkeypatch.setattr(sys.modules[__name__], "_silent", Backend("noop", NoopConfig, lambda cell, context: None),
+                        raising=False)
     cfg = compose_config("backend=noop", "policy=none", "tracking.mode=disabled", store=tmp_path, tiny=False)
     with pytest.raises(RuntimeError, match="backend=noop returned without logging a step"):
         run_cell(cfg)

@@ -36,6 +36,7 @@ from ablate.analysis.tables import (
     effects,
     resolve_min_seeds,
 )
+from ablate.arms import arm_name
 
 
 def parse_comparison(text: str) -> tuple[str, str, str]:
@@ -132,7 +133,7 @@ def _without_setting_in_names(df: pd.DataFrame, key: str) -> pd.DataFrame:
     names = []
     for name, variant in zip(df["policy_name"], df["variant"].fillna("")):
         kept = [part for part in str(variant).split(",") if part and not part.startswith(entry)]
-        names.append(f"{name}[{','.join(kept)}]" if kept else name)
+        names.append(arm_name(name, ",".join(kept)))
     out = df.copy()
     out["policy"] = names
     return out

@@ -63,6 +63,7 @@ from ablate.analysis.tables import (
     resolve_min_seeds,
     row_rng,
 )
+from ablate.policies.roles import FULL_REPLAY, NO_REPLAY
 
 RESTRICTIVE_OUTCOMES: tuple[str, ...] = ("final_reward", "reward_auc", "expert_drift_final")
 WEAK_OUTCOMES: tuple[str, ...] = ("kl_k3_mean", "extreme_token_frac_mean")
@@ -111,14 +112,14 @@ def flag_policies(
         arms = {outcome: arm_values(part, outcome) for outcome in (*restrictive, *weak)}
         judged = []
         for policy, budget in part[["policy", "budget"]].drop_duplicates().itertuples(index=False):
-            if policy == "none":
+            if policy == NO_REPLAY:
                 continue
             row: dict[str, Any] = {**prefix, "policy": policy, "budget": float(budget)}
             restrictive_verdicts = [
                 judge.restrictive(arms[outcome], policy, budget, outcome, restrictive_margin, prefix)
                 for outcome in restrictive
             ]
-            weak_verdicts = [] if policy == "full" else [
+            weak_verdicts = [] if policy == FULL_REPLAY else [
                 judge.weak(arms[outcome], policy, budget, outcome, weak_share, prefix) for outcome in weak
             ]
             for outcome, verdict in zip(restrictive, restrictive_verdicts):
@@ -175,7 +176,7 @@ class _Judge:
 
     def restrictive(self, arms: dict, policy: str, budget: float, outcome: str, margin: float,
                     prefix: dict[str, Any]) -> dict[str, Any]:
-        treated, control = arm_seeds(arms, policy, budget), arm_seeds(arms, "none", None)
+        treated, control = arm_seeds(arms, policy, budget), arm_seeds(arms, NO_REPLAY, None)
         shared = sorted(treated.keys() & control.keys(), key=str)
         n = len(shared)
         verdict = {"n": n, "mean": math.nan, "high": math.nan, "p": math.nan, "candidate": False,
@@ -205,7 +206,7 @@ class _Judge:
 
     def weak(self, arms: dict, policy: str, budget: float, outcome: str, weak_share: float,
              prefix: dict[str, Any]) -> dict[str, Any]:
-        treated, none, full = arm_seeds(arms, policy, budget), arm_seeds(arms, "none", None), arm_seeds(arms, "full", None)
+        treated, none, full = arm_seeds(arms, policy, budget), arm_seeds(arms, NO_REPLAY, None), arm_seeds(arms, FULL_REPLAY, None)
         shared = sorted(treated.keys() & none.keys() & full.keys(), key=str)
         verdict = {"share": math.nan, "high": math.nan, "p": math.nan, "candidate": False, "reason": "", "note": ""}
         if not none or not full:

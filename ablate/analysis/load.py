@@ -66,6 +66,7 @@ import pandas as pd
 import yaml
 
 from ablate.analysis.outcomes import cell_outcomes
+from ablate.arms import arm_name
 from ablate.store import CellState, StoreError, cell_directories, inspect_cell, read_identity, read_records
 
 ID_COLUMNS: tuple[str, ...] = (
@@ -298,7 +299,7 @@ def _with_arm(meta: dict[str, Any]) -> dict[str, Any]:
     """
     variant = meta.get("variant") or ""
     name = meta.get("policy")
-    return {**meta, "policy_name": name, "variant": variant, "policy": f"{name}[{variant}]" if variant else name}
+    return {**meta, "policy_name": name, "variant": variant, "policy": arm_name(name, variant)}
 
 
 def no_exclusions() -> dict[str, int]:

@@ -60,15 +60,20 @@ Outcomes (the names are a public contract):
     steps after the change count: the drop the change itself causes is not a collapse.
 
 Only numpy and pandas are imported here: the cell runner calls :func:`cell_outcomes` to write
-each cell's ``summary.json``.
+each cell's ``summary.json``, and :func:`check_objective` checks a config's ``objective`` before
+the cell starts.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import pandas as pd
+
+from ablate.config import require
 
 REWARD_KEY = "train/reward"
 KL_K3_KEY = "mismatch/kl_k3"
@@ -94,6 +99,22 @@ OUTCOME_NAMES: tuple[str, ...] = (
     "residual_mismatch_mean",
     "effective_budget_mean",
 )
+
+def objective_names() -> list[str]:
+    """Keys a cell's summary always holds: the outcomes, the schema's diagnostics and ``steps``."""
+    from ablate.diagnostics import SCHEMA
+
+    return [*OUTCOME_NAMES, "steps", *SCHEMA]
+
+
+def check_objective(objective: Any) -> None:
+    names = [objective] if isinstance(objective, str) else objective
+    known = objective_names()
+    ok = isinstance(names, Iterable) and bool(names) and all(isinstance(n, str) and n in known for n in names)
+    require(ok, "objective", objective,
+            f"a summary key or a list of them: an outcome ({', '.join(known[:known.index('steps')])}), "
+            "steps, or a diagnostics key such as mismatch/kl_k3")
+
 
 #: Which way is better for each outcome: True higher, False lower, None neither (a description
 #: of what replay did, not a goal). The probability of improvement and the flags read it.

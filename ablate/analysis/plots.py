@@ -27,6 +27,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from ablate.analysis.tables import FIXED_BUDGET_POLICIES, order_policies  # noqa: E402
+from ablate.arms import arm_policy  # noqa: E402
+from ablate.policies.roles import BUDGET_CONTROL, FULL_REPLAY, NO_REPLAY  # noqa: E402
 from ablate.store import atomic_write  # noqa: E402
 
 FORMATS: tuple[str, ...] = ("png", "svg")
@@ -44,23 +46,34 @@ POLICY_COLORS: dict[str, str] = {
 POLICY_MARKERS: dict[str, str] = {"none": "o", "full": "o", "random": "o", "uniform": "s", "fisher": "^", "mismatch": "D"}
 #: Selection effects: colour is the policy, the marker its baseline (hollow squares: matched).
 BASELINE_MARKERS: dict[str, str] = {"random": "o", "uniform": "D"}
-#: Policies registered by users get a colour from this list, chosen by a hash of their name so
-#: that it is the same in every sweep.
+#: Policies of your own get a colour from this list: the one a hash of their name picks, so that
+#: it is the same in every sweep, unless another such policy of the same figure took it first.
 OTHER_COLORS: tuple[str, ...] = ("#E69F00", "#8C564B", "#7F7F7F", "#BCBD22", "#17BECF", "#9467BD", "#8B0000")
 
 
-def policy_color(policy: str) -> str:
-    """The colour of a policy (or of a settings variant ``name[...]``: its policy's colour)."""
-    name = policy.split("[")[0]
+def policy_color(policy: str, among: Iterable[str] = ()) -> str:
+    """The colour of a policy (or of a settings variant ``name[...]``: its policy's colour).
+
+    A policy outside the built-ins gets a colour no other such policy in ``among`` (the
+    policies of the same figure) has: they take the hashed slots in name order, each moving on
+    to the next free colour when its slot is taken (colours repeat only past seven of them).
+    """
+    name = arm_policy(policy)
     if name in POLICY_COLORS:
         return POLICY_COLORS[name]
-    return OTHER_COLORS[zlib.crc32(name.encode()) % len(OTHER_COLORS)]
+    others = sorted({arm_policy(p) for p in among} - set(POLICY_COLORS) | {name})
+    taken: dict[str, str] = {}
+    for other in others:
+        slot = zlib.crc32(other.encode()) % len(OTHER_COLORS)
+        free = [OTHER_COLORS[(slot + i) % len(OTHER_COLORS)] for i in range(len(OTHER_COLORS))]
+        taken[other] = next((c for c in free if c not in taken.values()), free[0])
+    return taken[name]
 
 
 def policy_style(policy: str, policies: Iterable[str]) -> Any:
     """Line style of a variant among ``policies``: solid for the policy itself, then dashes."""
-    name = policy.split("[")[0]
-    variants = sorted(p for p in set(policies) if p.split("[")[0] == name and p != name)
+    name = arm_policy(policy)
+    variants = sorted(p for p in set(policies) if arm_policy(p) == name and p != name)
     return LINE_STYLES[0] if policy == name else LINE_STYLES[(1 + variants.index(policy)) % len(LINE_STYLES)]
 
 
@@ -84,7 +97,7 @@ def plot_budget_response(summary: pd.DataFrame, path_stem: str | Path, *, outcom
     for ax, (title, part) in zip(axes, panels):
         for policy in order_policies(part["policy"].unique()):
             rows = part[part["policy"] == policy].sort_values("budget")
-            color = policy_color(policy)
+            color = policy_color(policy, policies)
             if policy in FIXED_BUDGET_POLICIES:
                 row = rows.iloc[0]
                 ax.axhline(row["mean"], color=color, linestyle="--", linewidth=1.2, label=f"{policy} (b={row['budget']:g})")
@@ -99,7 +112,7 @@ def plot_budget_response(summary: pd.DataFrame, path_stem: str | Path, *, outcom
             errors = np.vstack([rows["mean"] - rows["ci_low"], rows["ci_high"] - rows["mean"]])
             ax.errorbar(x[has_ci], rows["mean"].to_numpy()[has_ci], yerr=errors[:, has_ci], fmt="none",
                         ecolor=color, capsize=3, linewidth=1.0)
-            marker = POLICY_MARKERS.get(policy.split("[")[0], "o")
+            marker = POLICY_MARKERS.get(arm_policy(policy), "o")
             ax.scatter(x, rows["mean"], color=np.where(has_ci[:, None], [_rgba(color)], [(1, 1, 1, 1)]),
                        edgecolors=color, marker=marker, zorder=3, s=28)
         ax.set_xlabel("budget (fraction of valid routes replayed)")
@@ -129,7 +142,7 @@ def plot_selection_effects(effects_table: pd.DataFrame, path_stem: str | Path, *
             sub = part[(part["effect"] == effect) & (part["policy"] == policy) & (part["baseline"] == baseline)]
             x = np.array([budgets.index(b) for b in sub["budget"]]) + (i - (len(comparisons) - 1) / 2) * width
             errors = np.nan_to_num(np.vstack([sub["mean"] - sub["ci_low"], sub["ci_high"] - sub["mean"]]))
-            color = policy_color(policy)
+            color = policy_color(policy, policies)
             matched = effect == "matched_selection"
             label = f"{policy} - {baseline}" + (" at its effective budget" if matched else "")
             marker = "s" if matched else BASELINE_MARKERS.get(baseline, "v")
@@ -174,17 +187,17 @@ def plot_effective_budget(
         arms = (part.groupby(["policy", "budget"])[[effective, outcome]]
                 .agg(["mean", "sem"]).reset_index())
         arms.columns = ["policy", "budget", "e", "e_sem", "y", "y_sem"]
-        curve = arms[arms["policy"].isin(["none", "random", "full"])].sort_values("e")
-        if (curve["policy"] == "random").any():
-            ax.plot(curve["e"], curve["y"], color=policy_color("random"), linewidth=1.0, alpha=0.6,
+        curve = arms[arms["policy"].isin([NO_REPLAY, BUDGET_CONTROL, FULL_REPLAY])].sort_values("e")
+        if (curve["policy"] == BUDGET_CONTROL).any():
+            ax.plot(curve["e"], curve["y"], color=policy_color(BUDGET_CONTROL), linewidth=1.0, alpha=0.6,
                     label="random's curve (none to full)")
         for policy in order_policies(arms["policy"].unique()):
-            color = policy_color(policy)
+            color = policy_color(policy, policies)
             seeds = part[part["policy"] == policy]
             ax.scatter(seeds[effective], seeds[outcome], color=color, alpha=0.25, s=10, linewidths=0)
             mine = arms[arms["policy"] == policy]
             ax.errorbar(mine["e"], mine["y"], xerr=mine["e_sem"].fillna(0), yerr=mine["y_sem"].fillna(0),
-                        fmt=POLICY_MARKERS.get(policy.split("[")[0], "o"), color=color, capsize=2,
+                        fmt=POLICY_MARKERS.get(arm_policy(policy), "o"), color=color, capsize=2,
                         linestyle="none", label=policy,
                         markerfacecolor="white" if policy_style(policy, policies) != "-" else color)
             if policy not in FIXED_BUDGET_POLICIES:
@@ -235,7 +248,7 @@ def plot_step_curves(
                 shown = means[means["policy"].isin(FIXED_BUDGET_POLICIES) | (means["budget"] == budget)]
                 for policy in order_policies(shown["policy"].unique()):
                     curve = shown[shown["policy"] == policy].sort_values("step")
-                    color, style = policy_color(policy), policy_style(policy, policies)
+                    color, style = policy_color(policy, policies), policy_style(policy, policies)
                     ax.plot(curve["step"], curve[key], color=color, alpha=0.2, linewidth=0.7, linestyle=style)
                     smooth = curve[key].rolling(window, center=True, min_periods=1).mean()
                     ax.plot(curve["step"], smooth, color=color, linewidth=1.5, linestyle=style, label=policy)

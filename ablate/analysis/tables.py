@@ -49,14 +49,21 @@ from ablate.analysis.stats import (
     sign_flip_pvalue,
     snap_to_zero,
 )
-from ablate.budget import FIXED_BUDGETS
+from ablate.arms import arm_policy
+from ablate.policies import fixed_budget_policies
+from ablate.policies.roles import (
+    BUDGET_CONTROL,
+    FULL_REPLAY,
+    NO_REPLAY,
+    POLICY_ORDER,
+    SELECTION_BASELINES,
+    SELECTION_TREATMENT,
+)
 
-#: Policies with one budget by definition (none: 0, full: 1), from the shared budget rule.
-FIXED_BUDGET_POLICIES = FIXED_BUDGETS
-POLICY_ORDER: tuple[str, ...] = ("none", "full", "random", "uniform", "fisher", "mismatch")
-SELECTION_BASELINES: tuple[str, ...] = ("random", "uniform")
+#: Policies with one budget by definition (none: 0, full: 1), from their ``fixed_budget`` trait.
+FIXED_BUDGET_POLICIES = fixed_budget_policies()
 #: The control whose budget-response curve matched-effective-budget comparisons are read from.
-CURVE_POLICY = "random"
+CURVE_POLICY = BUDGET_CONTROL
 EFFECTIVE_BUDGET = "effective_budget_mean"
 SUMMARY_COLUMNS: tuple[str, ...] = (
     "mean", "std", "iqm", "ci_low", "ci_high", "n_seeds", "effective_budget", "note",
@@ -359,10 +366,10 @@ def _effect_pairs(
         for policy in present
         if policy not in FIXED_BUDGET_POLICIES
     }
-    requested: list[tuple[str, str]] = [("full", "none"), ("random", "none")]
-    requested += [("fisher", baseline) for baseline in SELECTION_BASELINES]
+    requested: list[tuple[str, str]] = [(FULL_REPLAY, NO_REPLAY), (BUDGET_CONTROL, NO_REPLAY)]
+    requested += [(SELECTION_TREATMENT, baseline) for baseline in SELECTION_BASELINES]
     if others_vs_random:
-        requested += [(p, "random") for p in order_policies(budgets) if p not in ("random", "fisher")]
+        requested += [(p, BUDGET_CONTROL) for p in order_policies(budgets) if p not in (BUDGET_CONTROL, SELECTION_TREATMENT)]
     requested += [tuple(pair) for pair in comparisons or ()]
     pairs: list[tuple[str, str, str, float | None]] = []
     for policy, baseline in dict.fromkeys(requested):
@@ -453,7 +460,7 @@ def row_rng(seed: int, *identity: object) -> np.random.Generator:
 def order_policies(policies: Iterable[str]) -> list[str]:
     """Canonical order: the built-in policies first (each followed by its settings variants), then others."""
     rank = {name: i for i, name in enumerate(POLICY_ORDER)}
-    return sorted(policies, key=lambda p: (rank.get(p.split("[")[0], len(rank)), p))
+    return sorted(policies, key=lambda p: (rank.get(arm_policy(p), len(rank)), p))
 
 
 def canonical_order(table: pd.DataFrame, keys: Sequence[str] = ()) -> Sequence[int]:

@@ -42,12 +42,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ablate.backends import Backend, RunContext
 from ablate.budget import check_budget
 from ablate.cell import Cell, policy_for
 from ablate.config import SyntheticConfig, choice_value
 from ablate.diagnostics import mismatch_metrics, route_diagnostics
 from ablate.fisher import GradientCapture, expert_output_sq_grads, linear_param_sq_grads, router_logit_sq_grads
-from ablate.routes import Routes
+from ablate.routes import Routes, native_margin
 
 # --- the task ----------------------------------------------------------------------------
 
@@ -146,11 +147,14 @@ class MoE(nn.Module):
 
     def forward(
         self, x: Tensor, layer: int, replay: Replay | None, noise: Tensor | None, probe: FisherProbe | None,
+        margins: list[Tensor] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         logits = self.router(x) / self.temperature
         if noise is not None:
             logits = logits + noise
         native = logits.topk(self.topk, dim=-1).indices
+        if margins is not None:
+            margins.append(native_margin(logits.detach(), native))
         chosen = native if replay is None else torch.where(replay.mask[:, layer, None], replay.routes[:, layer], native)
         if probe is not None and probe.estimator == "router_logits":
             logits = probe.logits.watch(layer, logits)
@@ -212,18 +216,20 @@ class MoEPolicy(nn.Module):
     def forward(
         self, tokens: Tensor, replay: Replay | None = None, noise: Tensor | None = None,
         cache: list[tuple[Tensor, Tensor]] | None = None, probe: FisherProbe | None = None,
+        margins: list[Tensor] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Logits ``[B, S, V]``, routes used and native routes, both ``[B * S, layers, k]``.
 
         ``noise`` ``[B, S, layers, experts]`` is added to the router logits; with a ``cache``
-        the tokens continue the cached positions.
+        the tokens continue the cached positions. ``margins``, when given, receives each layer's
+        ``[B * S]`` native margin (:func:`ablate.routes.native_margin`), in layer order.
         """
         start = cache[0][0].shape[2] if cache else 0
         x = self.embed(tokens) + self.position[start : start + tokens.shape[1]]
         used, native = [], []
         for layer, block in enumerate(self.blocks):
             layer_noise = None if noise is None else noise[:, :, layer].reshape(-1, noise.shape[-1])
-            x, chosen, own = block(x, layer, cache, replay=replay, noise=layer_noise, probe=probe)
+            x, chosen, own = block(x, layer, cache, replay=replay, noise=layer_noise, probe=probe, margins=margins)
             used.append(chosen)
             native.append(own)
         return self.head(self.norm(x)), torch.stack(used, 1), torch.stack(native, 1)
@@ -379,10 +385,10 @@ def relative_drift(params: list[Tensor], initial: list[Tensor]) -> float:
 
 def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]) -> None:
     """Train one cell for ``cfg.steps`` steps, calling ``log_step(step, record)`` after each."""
-    cfg: SyntheticConfig = cell.backend  # type: ignore[assignment]
+    cfg = BACKEND.config_of(cell)
     cfg.check()
     policy, fisher = policy_for(cell, cfg.layers, cfg.experts)
-    budget = check_budget(cell.budget, policy.name)
+    budget = check_budget(cell.budget, policy.name, fixed=policy.fixed_budget)
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cell.seed)  # model initialisation: the same for every policy of a seed
     prompt_len, response_len = 1 + cfg.digits, cfg.response_length
@@ -403,7 +409,7 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
     # Sequence boundaries: `uniform` spreads its quota over sequences and positions with them.
     offsets = torch.arange(0, batch_size * seq_len + 1, seq_len)
     response = slice(prompt_len - 1, seq_len)  # positions whose next token is a response token
-    needs_native = policy.name == "mismatch"
+    needs_native = policy.needs_native_routes
     estimator = choice_value(cell.fisher.estimator)
 
     for step in range(cfg.steps):
@@ -421,9 +427,11 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
         # its mask from native routes: it pays one native pass first (as the verl backend does),
         # or, with mismatch_native_old_pass, takes its ratio against that native pass.
         with torch.no_grad():
-            native_pass = model(inputs) if needs_native else None
+            margins: list[Tensor] = []
+            native_pass = model(inputs, margins=margins) if needs_native else None
             routes = Routes(rollout=flat_rollout, valid=valid, num_experts=cfg.experts, offsets=offsets,
-                            native=None if native_pass is None else native_pass[2])
+                            native=None if native_pass is None else native_pass[2],
+                            native_margin=torch.stack(margins, 1) if margins else None)
             estimate_used = fisher.scores() if fisher.has_estimate else None
             mask = policy.select(routes, budget, generator=streams["selection"])
             replayed_logits, _, native_in_replay = model(inputs, replay=Replay(flat_rollout, mask))
@@ -490,3 +498,10 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
             "train/entropy": float(entropy),
         })
         log_step(step, record)
+
+
+def run(cell: Cell, context: RunContext) -> None:
+    run_cell_steps(cell, context.log_step)
+
+
+BACKEND = Backend(name="synthetic", config=SyntheticConfig, run=run)

@@ -1,6 +1,18 @@
-"""Replay policies: one interface, a registry, and the six built-in selections."""
+"""Replay policies: one interface, a registry (fed by entry points), and the six built-in selections."""
 
-from ablate.policies.base import PolicyError, ReplayPolicy, available_policies, get_policy, register_policy
+from ablate.policies.base import (
+    ENTRY_POINT_GROUP,
+    PolicyError,
+    ReplayPolicy,
+    available_policies,
+    fixed_budget_of,
+    fixed_budget_policies,
+    get_policy,
+    load_plugins,
+    policy_class,
+    register_policy,
+    register_policy_options,
+)
 from ablate.policies.selection import Draws
 from ablate.policies.builtin import (
     FisherReplay,
@@ -14,6 +26,7 @@ from ablate.policies.builtin import (
 from ablate.policies.spec import PolicySpec
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
     "Draws",
     "FisherReplay",
     "FullReplay",
@@ -25,7 +38,12 @@ __all__ = [
     "ReplayPolicy",
     "UniformReplay",
     "available_policies",
+    "fixed_budget_of",
+    "fixed_budget_policies",
     "get_policy",
+    "load_plugins",
+    "policy_class",
     "register_policy",
+    "register_policy_options",
     "route_scores",
 ]

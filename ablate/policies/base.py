@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import importlib.metadata
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor
 
 from ablate.budget import Quotas, check_budget, global_quotas, per_sequence_quotas
+from ablate.config import PolicyConfig
 from ablate.policies.selection import Draws, segmented_top_n, top_n
 from ablate.routes import Routes
 
@@ -33,9 +37,26 @@ class ReplayPolicy(ABC):
 
     After each call, :attr:`info` holds policy-specific diagnostics of that call (for example
     ``fisher_fallback``).
+
+    What the runner, the backends and the analysis need to know of a policy is declared here, as
+    class traits, so that no code outside this package tests a policy's name:
+
+    - :attr:`Settings`: the policy's config schema, a dataclass extending
+      :class:`ablate.config.PolicyConfig` whose fields (beyond ``name`` and ``fisher``) are the
+      keyword settings of ``__init__``, with the same defaults (checked when it is registered).
+    - :attr:`fixed_budget`: the budget the policy has by definition (``none``: 0, ``full``: 1), or
+      None when the cell's budget decides.
+    - :attr:`needs_native_routes`: the policy selects from ``Routes.native`` (and
+      ``Routes.native_margin``), which a backend records in a pass that replays nothing.
+    - :attr:`reads_fisher`: the policy ranks by the Fisher estimate: it is built with the cell's
+      tracker as ``fisher=``, and the estimate's settings are part of its arm.
     """
 
     name: ClassVar[str]
+    Settings: ClassVar[type[PolicyConfig]] = PolicyConfig
+    fixed_budget: ClassVar[float | None] = None
+    needs_native_routes: ClassVar[bool] = False
+    reads_fisher: ClassVar[bool] = False
 
     def __init__(self, *, per_layer: bool = False) -> None:
         self.per_layer = bool(per_layer)
@@ -64,7 +85,7 @@ class ReplayPolicy(ABC):
 
         Same inputs and generator states give the same mask, bit for bit.
         """
-        budget = check_budget(budget, self.name)
+        budget = check_budget(budget, self.name, fixed=self.fixed_budget)
         self.info = {}
         generators = self._generators(generator, routes, per_sequence)
         empty = torch.zeros(routes.num_tokens, routes.num_layers, dtype=torch.bool, device=routes.device)
@@ -152,34 +173,114 @@ class ReplayPolicy(ABC):
 _REGISTRY: dict[str, type[ReplayPolicy]] = {}
 P = TypeVar("P", bound=type[ReplayPolicy])
 
+#: The entry-point group through which an installed package adds policies: ``name = "module:Class"``.
+ENTRY_POINT_GROUP = "ablate.policies"
+_entry_points_loaded = False
+
 
 def register_policy(name: str):
     """Class decorator that makes a policy available to :func:`get_policy` under ``name``."""
 
     def decorate(cls: P) -> P:
-        if not (isinstance(cls, type) and issubclass(cls, ReplayPolicy)):
-            raise PolicyError(f"register_policy({name!r}) decorates {cls!r}: expected a ReplayPolicy subclass")
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise PolicyError(f"policy name {name!r} is already registered by {_REGISTRY[name].__qualname__}")
-        cls.name = name
-        _REGISTRY[name] = cls
+        _register(name, cls, f"register_policy({name!r})")
         return cls
 
     return decorate
 
 
+def _register(name: str, cls: Any, where: str) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, ReplayPolicy)):
+        raise PolicyError(f"{where} names {cls!r}: expected a ReplayPolicy subclass")
+    if name in _REGISTRY and _REGISTRY[name] is not cls:
+        raise PolicyError(f"policy name {name!r} ({where}) is already registered by {_REGISTRY[name].__qualname__}")
+    _check_settings(name, cls, where)
+    cls.name = name
+    _REGISTRY[name] = cls
+
+
+def _check_settings(name: str, cls: type[ReplayPolicy], where: str) -> None:
+    """The policy's ``Settings`` schema and its ``__init__`` keywords agree, field by field."""
+    settings = cls.Settings
+    if not (dataclasses.is_dataclass(settings) and isinstance(settings, type) and issubclass(settings, PolicyConfig)):
+        raise PolicyError(f"{where}: {cls.__qualname__}.Settings is {settings!r}: expected a dataclass extending "
+                          "ablate.config.PolicyConfig")
+    keywords = _keyword_defaults(cls)
+    for item in dataclasses.fields(settings):
+        if item.name in ("name", "fisher"):
+            continue
+        default = item.default_factory() if item.default_factory is not dataclasses.MISSING else item.default
+        if item.name not in keywords or keywords[item.name] != default:
+            raise PolicyError(
+                f"{where}: {cls.__qualname__}.Settings.{item.name}={default!r} has no keyword setting "
+                f"{cls.__qualname__}.__init__(*, {item.name}={default!r}): expected the same names and defaults"
+            )
+
+
+def _keyword_defaults(cls: type[ReplayPolicy]) -> dict[str, Any]:
+    return {p.name: p.default for p in inspect.signature(cls.__init__).parameters.values()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def load_plugins(modules: Iterable[str] = ()) -> None:
+    """Make the installed policies (entry points, once per process) and the named ``modules`` known.
+
+    A module named here is imported; its ``@register_policy`` classes register themselves. This is
+    how a policy whose package is not installed reaches every process of a sweep: the cell's
+    config lists it under ``plugins``, and every process that builds a policy imports it first.
+    """
+    global _entry_points_loaded
+    if not _entry_points_loaded:
+        _entry_points_loaded = True
+        for point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                loaded = point.load()
+            except Exception as error:
+                raise PolicyError(f"entry point {point.name} = {point.value!r} (group {ENTRY_POINT_GROUP}) "
+                                  f"cannot be loaded: {type(error).__name__}: {error}") from None
+            _register(point.name, loaded, f"entry point {point.name} = {point.value!r}")
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as error:
+            raise PolicyError(f"plugins=[{module}]: the module cannot be imported ({error}): expected an importable "
+                              "module that registers policies with @register_policy") from None
+
+
 def available_policies() -> list[str]:
+    load_plugins()
     return sorted(_REGISTRY)
+
+
+def policy_class(name: str) -> type[ReplayPolicy]:
+    """The registered policy class ``name`` (built-in, installed, or imported through ``plugins``)."""
+    if name not in _REGISTRY:
+        load_plugins()
+    if name not in _REGISTRY:
+        raise PolicyError(
+            f"unknown policy {name!r}: expected one of {', '.join(available_policies())} (a policy of your own is "
+            f"found through an entry point in group {ENTRY_POINT_GROUP} or by naming its module in plugins=[...])"
+        )
+    return _REGISTRY[name]
+
+
+def fixed_budget_of(name: str) -> float | None:
+    """The budget policy ``name`` has by definition, None when the cell's budget decides (or it is unknown)."""
+    try:
+        return policy_class(name).fixed_budget
+    except PolicyError:
+        return None
+
+
+def fixed_budget_policies() -> dict[str, float]:
+    """Every known policy with a budget by definition, with that budget (``{"none": 0.0, "full": 1.0}``)."""
+    load_plugins()
+    return {name: cls.fixed_budget for name, cls in sorted(_REGISTRY.items()) if cls.fixed_budget is not None}
 
 
 def get_policy(name: str, **settings: Any) -> ReplayPolicy:
     """The registered policy ``name`` built with its own ``settings``; clear errors otherwise."""
-    if name not in _REGISTRY:
-        raise PolicyError(f"unknown policy {name!r}: expected one of {', '.join(available_policies())}")
-    cls = _REGISTRY[name]
-    accepted = [
-        p.name for p in inspect.signature(cls.__init__).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY
-    ]
+    cls = policy_class(name)
+    accepted = list(_keyword_defaults(cls))
     unknown = sorted(set(settings) - set(accepted))
     if unknown:
         raise PolicyError(
@@ -187,3 +288,22 @@ def get_policy(name: str, **settings: Any) -> ReplayPolicy:
             f"{', '.join(accepted) if accepted else 'no settings'}"
         )
     return cls(**settings)
+
+
+def register_policy_options() -> None:
+    """Offer every known policy without a YAML file in ``ablate.conf`` as a ``policy`` option.
+
+    This is what makes ``policy=<name>`` compose for an installed or imported policy, its
+    ``Settings`` typed and checked by Hydra like the built-ins'. The built-ins have their
+    ``conf/policy/<name>.yaml`` (extending the same schemas); storing an option of the same name
+    beside a file would make Hydra merge the two, with a deprecation warning.
+    """
+    from importlib import resources
+
+    from hydra.core.config_store import ConfigStore
+
+    shipped = resources.files("ablate.conf").joinpath("policy")
+    store = ConfigStore.instance()
+    for name in available_policies():
+        if not shipped.joinpath(f"{name}.yaml").is_file():
+            store.store(group="policy", name=name, node=_REGISTRY[name].Settings(name=name))

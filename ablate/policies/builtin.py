@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Protocol
 
 import torch
@@ -10,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ablate.budget import Quotas
+from ablate.config import TEMPERATURE, BudgetedPolicyConfig, FisherPolicyConfig, is_temperature
 from ablate.policies.base import PolicyError, ReplayPolicy, register_policy
 from ablate.policies.selection import Draws
 from ablate.routes import Routes, token_chunks
@@ -18,6 +18,8 @@ from ablate.routes import Routes, token_chunks
 @register_policy("none")
 class NoReplay(ReplayPolicy):
     """Replays nothing: the training router routes every token natively (budget 0)."""
+
+    fixed_budget = 0.0
 
     def __init__(self) -> None:
         super().__init__()
@@ -30,6 +32,8 @@ class NoReplay(ReplayPolicy):
 class FullReplay(ReplayPolicy):
     """R3: replays every valid route (budget 1)."""
 
+    fixed_budget = 1.0
+
     def __init__(self) -> None:
         super().__init__()
 
@@ -40,6 +44,8 @@ class FullReplay(ReplayPolicy):
 @register_policy("random")
 class RandomReplay(ReplayPolicy):
     """n routes uniformly at random without replacement: the budget-only control."""
+
+    Settings = BudgetedPolicyConfig
 
     def __init__(self, *, per_layer: bool = False) -> None:
         super().__init__(per_layer=per_layer)
@@ -170,6 +176,9 @@ class FisherReplay(ReplayPolicy):
     tracker's shape, is checked at :meth:`select`, where the routes are known.
     """
 
+    Settings = FisherPolicyConfig
+    reads_fisher = True
+
     def __init__(
         self,
         *,
@@ -181,8 +190,8 @@ class FisherReplay(ReplayPolicy):
         super().__init__(per_layer=per_layer)
         if scores is not None and fisher is not None:
             raise PolicyError("policy=fisher got both scores= and fisher=: expected one source of the Fisher estimate")
-        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or math.isnan(tau) or tau < 0:
-            raise PolicyError(f"tau={tau!r} in policy=fisher: expected a temperature >= 0")
+        if not is_temperature(tau):
+            raise PolicyError(f"tau={tau!r} in policy=fisher: expected {TEMPERATURE}")
         if fisher is not None and not (hasattr(fisher, "has_estimate") and callable(getattr(fisher, "scores", None))):
             raise PolicyError(
                 f"fisher={type(fisher).__name__} in policy=fisher: expected a Fisher source with has_estimate and "
@@ -274,6 +283,9 @@ class MismatchReplay(ReplayPolicy):
     Needs native routes (from the old-log-prob pass): an oracle-like upper bound for "replay
     where it matters".
     """
+
+    Settings = BudgetedPolicyConfig
+    needs_native_routes = True
 
     def __init__(self, *, per_layer: bool = False) -> None:
         super().__init__(per_layer=per_layer)

@@ -4,7 +4,8 @@ A :class:`PolicySpec` holds what a cell asks of its policy: the registered name,
 own settings (``per_layer``, ``tau``) and the Fisher estimate settings. The synthetic backend
 builds it in process; the verl backend sends it as JSON to verl's worker processes and builds it
 there, once the model's layer and expert counts are known. Both get the policy and its Fisher
-tracker from :meth:`PolicySpec.build`, so the two backends cannot drift apart.
+tracker from :meth:`PolicySpec.build`, so the two backends cannot drift apart. The spec names
+the modules to import first (``plugins``), so a policy of the user's own is found in every process.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ablate.fisher import FisherTracker
-from ablate.policies.base import ReplayPolicy, get_policy
+from ablate.policies.base import ReplayPolicy, get_policy, load_plugins, policy_class
 
 
 @dataclass(frozen=True)
@@ -25,21 +26,29 @@ class PolicySpec:
         name: a registered policy (``none``, ``full``, ``random``, ``uniform``, ``fisher``, ...).
         settings: the policy's keyword settings for :func:`ablate.policies.get_policy`.
         fisher_decay, fisher_normalize: :class:`ablate.fisher.FisherTracker` settings. Every
-            policy gets a tracker (its Fisher mass is logged for every arm); only ``fisher``
-            ranks routes by it.
+            policy gets a tracker (its Fisher mass is logged for every arm); a policy that
+            ``reads_fisher`` ranks routes by it.
+        plugins: modules to import before the policy is looked up (the config's ``plugins``).
     """
 
     name: str
     settings: dict[str, Any] = field(default_factory=dict)
     fisher_decay: float = 0.9
     fisher_normalize: str = "none"
+    plugins: tuple[str, ...] = ()
+
+    @property
+    def policy_class(self) -> type[ReplayPolicy]:
+        """The policy's class, with its traits (``fixed_budget``, ``needs_native_routes``, ...)."""
+        load_plugins(self.plugins)
+        return policy_class(self.name)
 
     def build(self, num_layers: int, num_experts: int) -> tuple[ReplayPolicy, FisherTracker]:
         """The policy and its Fisher tracker for a model of ``num_layers`` MoE layers."""
         normalize = self.fisher_normalize
         tracker = FisherTracker(num_layers, num_experts, decay=self.fisher_decay, normalize=normalize)  # type: ignore[arg-type]
         settings = dict(self.settings)
-        if self.name == "fisher":
+        if self.policy_class.reads_fisher:
             settings["fisher"] = tracker
         return get_policy(self.name, **settings), tracker
 
@@ -48,4 +57,8 @@ class PolicySpec:
 
     @classmethod
     def from_json(cls, text: str) -> PolicySpec:
-        return cls(**json.loads(text))
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> PolicySpec:
+        return cls(**{**fields, "plugins": tuple(fields.get("plugins", ()))})

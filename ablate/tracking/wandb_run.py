@@ -49,11 +49,12 @@ from typing import Any
 
 import wandb
 
+from ablate.config import TrackingMode
 from ablate.tracking.offline_reader import STEP_KEY, is_complete
 
 logger = logging.getLogger(__name__)
 
-TRACKER_MODES = ("offline", "online", "disabled")
+TRACKER_MODES: tuple[str, ...] = tuple(mode.value for mode in TrackingMode)  # the config schema's choices
 
 #: wandb's switch for its own SDK telemetry (error reports and usage metrics sent to the server).
 TELEMETRY_ENV = "WANDB_ERROR_REPORTING"

@@ -13,6 +13,8 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed here
 import torch  # noqa: E402
 
 from ablate.budget import count_for  # noqa: E402
+from ablate.policies import available_policies, policy_class  # noqa: E402
+from ablate.routes import native_margin  # noqa: E402
 from replay_routers import (  # noqa: E402
     NUM_EXPERTS,
     NUM_LAYERS,
@@ -33,14 +35,19 @@ routers = pytest.fixture(scope="module")(router_model)
 hooked = pytest.fixture()(hook_installer)
 
 
-def expected_mask(hook, recorded, valid, offsets, native=None):
+def expected_mask(hook, recorded, valid, offsets, native=None, margin=None):
     """The mask the hook's own settings select, computed apart with a freshly built policy."""
     from ablate.backends.verl.selection import select_micro_batch
 
     policy, _ = hook.settings.policy.build(NUM_LAYERS, NUM_EXPERTS)
     has_native = None if native is None else torch.ones(recorded.shape[0], dtype=torch.bool)
     return select_micro_batch(policy, hook.budget, hook.settings.seed, recorded, valid, offsets, NUM_EXPERTS,
-                              native=native, has_native=has_native).mask
+                              native=native, has_native=has_native, native_margin=margin).mask
+
+
+#: The example policy package (examples/margin_policy), when it is installed here: it runs through
+#: the same router-level checks as the built-ins.
+MARGIN = [("margin", 0.4)] if "margin" in available_policies() else []
 
 
 def check_layer_by_layer(maps, recorded, logits, mask, valid):
@@ -52,7 +59,7 @@ def check_layer_by_layer(maps, recorded, logits, mask, valid):
 
 
 @pytest.mark.parametrize("policy,budget", [("random", 0.4), ("uniform", 0.5), ("fisher", 0.3), ("mismatch", 0.5),
-                                           ("full", None), ("none", None)])
+                                           ("full", None), ("none", None), *MARGIN])
 def test_masked_routes_replay_recorded_and_unmasked_routes_stay_native(routers, hooked, policy, budget):
     model, config = routers
     generator = torch.Generator().manual_seed(1)
@@ -69,10 +76,12 @@ def test_masked_routes_replay_recorded_and_unmasked_routes_stay_native(routers, 
 
     (maps, valid), passes, metrics = through_hook(hook, config, routes, input_ids, forward, forward_only=True)
     assert metrics is None  # the old-log-prob pass reports nothing
-    native = native_of(replay_logits) if policy == "mismatch" else None
-    mask = expected_mask(hook, recorded, valid, input_ids.offsets(), native=native)
-    if policy == "mismatch":
-        # mismatch selects on native routes: a first pass replays nothing and records them.
+    needs_native = policy_class(policy).needs_native_routes
+    native = native_of(replay_logits) if needs_native else None
+    margin = native_margin(replay_logits.transpose(0, 1), native.long()) if needs_native else None
+    mask = expected_mask(hook, recorded, valid, input_ids.offsets(), native=native, margin=margin)
+    if needs_native:
+        # mismatch and margin select on native routes: a first pass replays nothing and records them.
         assert len(passes) == 2
         check_layer_by_layer(passes[0][0], recorded, replay_logits, torch.zeros_like(mask), valid)
     else:
@@ -84,13 +93,20 @@ def test_masked_routes_replay_recorded_and_unmasked_routes_stay_native(routers, 
     assert len(passes) == 1
     # The update replays the same routes as the old-log-prob pass: the PPO ratio starts at 1.
     assert torch.equal(update_maps, maps)
-    if policy in ("random", "uniform", "fisher", "mismatch"):
+    if policy_class(policy).fixed_budget is None:
         assert any(not torch.equal(mask[:, 0], mask[:, layer]) for layer in range(1, NUM_LAYERS)), "mask is per layer"
     if policy == "mismatch":
         # Mismatched routes are replayed first: either every replayed route overrides the native
         # one, or every mismatched route is replayed.
         assert metrics["replay/override_rate"] == 1.0 or metrics["routing/mismatch_recall"] == 1.0
         assert metrics["routing/residual_mismatch_rate"] < metrics["routing/route_mismatch_rate"]
+    if policy == "margin":
+        # Within each sequence, every replayed valid route is at least as close to a tie as any
+        # valid route left native.
+        for start, end in zip(input_ids.offsets()[:-1].tolist(), input_ids.offsets()[1:].tolist()):
+            rows = valid[start:end]
+            replayed, kept = margin[start:end][rows][mask[start:end][rows]], margin[start:end][rows][~mask[start:end][rows]]
+            assert replayed.numel() and float(replayed.max()) <= float(kept.min())
     bounds = input_ids.offsets().tolist()
     per_sequence = [int(valid[start:end].sum()) * NUM_LAYERS for start, end in zip(bounds[:-1], bounds[1:])]
     assert metrics["replay/valid_routes"] == sum(per_sequence)

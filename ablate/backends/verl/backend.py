@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from ablate.backends import Backend, RunContext
 from ablate.backends.verl.hook import HookSettings
 from ablate.backends.verl.launch import (
     check_cell_config,
@@ -114,17 +115,17 @@ def build_command(cell: Cell, metrics_file: Path) -> tuple[list[str], dict[str, 
     settings (the number of update epochs), then with the hook's settings, to check the
     command exactly as ``main_ppo`` will compose it.
     """
-    cfg: VerlConfig = cell.backend  # type: ignore[assignment]
+    cfg = BACKEND.config_of(cell)
     check_verl()
     config_dir = Path(cfg.config_dir) if cfg.config_dir else default_config_dir()
     # Quoted: a settings variant puts '=' and ',' in the name (fisher+tau=0.5-b0.25-s4).
     own = ["trainer.logger=[console,file]", f"trainer.experiment_name={hydra_string(cell.name)}", *cfg.overrides]
     settings = HookSettings(policy=cell.policy_spec(), budget=cell.budget, seed=cell.seed)
     draft = compose(config_dir, cfg.config_name, [*verl_overrides(settings), *own])
-    check_cell_config(draft, cell.policy)
+    check_cell_config(draft, cell.policy, cell.plugins)
     settings = dataclasses.replace(settings, update_epochs=update_epochs(draft))
     overrides = [*verl_overrides(settings), *own]
-    check_cell_config(compose(config_dir, cfg.config_name, overrides), cell.policy)
+    check_cell_config(compose(config_dir, cfg.config_name, overrides), cell.policy, cell.plugins)
     command = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={config_dir.resolve()}",
                f"--config-name={cfg.config_name}", *overrides]
     return command, {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_file)}
@@ -136,8 +137,9 @@ def dry_run_command(cell: Cell) -> str:
     return shlex.join(command)
 
 
-def run_cell_steps(cell: Cell, log_step: Callable[..., None]) -> None:
-    metrics_file = Path(os.environ.get("ABLATE_CELL_DIR", ".")) / "verl_metrics.jsonl"
+def run_cell_steps(cell: Cell, log_step: Callable[..., None], directory: Path) -> None:
+    """Run verl's ``main_ppo`` for the cell, logging each step verl writes to ``directory``'s metrics file."""
+    metrics_file = directory / "verl_metrics.jsonl"
     command, env = build_command(cell, metrics_file)
     metrics_file.unlink(missing_ok=True)  # a rerun must not replay the previous attempt's steps
     process = subprocess.Popen(command, env=env)
@@ -151,3 +153,10 @@ def run_cell_steps(cell: Cell, log_step: Callable[..., None]) -> None:
             process.wait()
     if process.returncode:
         raise RuntimeError(f"verl main_ppo exited with status {process.returncode}: {' '.join(command[:4])} ...")
+
+
+def run(cell: Cell, context: RunContext) -> None:
+    run_cell_steps(cell, context.log_step, context.directory)
+
+
+BACKEND = Backend(name="verl", config=VerlConfig, run=run, preflight=dry_run_command)

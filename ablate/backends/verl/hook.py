@@ -34,7 +34,8 @@ from ablate.backends.verl.patch import CallInfo, augment_routes, split_augmented
 from ablate.backends.verl.selection import MicroBatchSelection, select_micro_batch, sequence_keys
 from ablate.budget import check_budget
 from ablate.diagnostics.metrics import ROUTE_COUNTS
-from ablate.policies import PolicySpec, get_policy
+from ablate.policies import NoReplay, PolicySpec
+from ablate.routes import native_margin
 
 #: Sums pooled over a step and the world: the shared route counts and the fallback flag.
 STEP_COUNTS = (*ROUTE_COUNTS, "fisher_fallback")
@@ -60,7 +61,7 @@ class HookSettings:
     @classmethod
     def from_json(cls, text: str) -> HookSettings:
         fields = json.loads(text)
-        return cls(**{**fields, "policy": PolicySpec(**fields["policy"])})
+        return cls(**{**fields, "policy": PolicySpec.from_dict(fields["policy"])})
 
     @classmethod
     def from_env(cls) -> HookSettings | None:
@@ -75,8 +76,10 @@ class _Call:
     info: CallInfo
     #: ``[tokens, route layers, topk]`` native expert id + 1 written by this rank's routers (0: not here).
     native: Tensor
-    #: a forward that replays nothing, run only to record native routes (``mismatch``).
+    #: a forward that replays nothing, run only to record native routes (``needs_native_routes``).
     native_pass: bool = False
+    #: ``[tokens, route layers]`` native margins (``ablate.routes.native_margin``) written with ``native``.
+    native_margin: Tensor | None = None
     starts: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
     #: micro-batches seen so far by each model chunk (virtual pipeline rank) of this rank.
@@ -111,12 +114,13 @@ class ReplayMaskHook:
 
     def __init__(self, settings: HookSettings) -> None:
         self.settings = settings
-        self.mismatch = settings.policy.name == "mismatch"
-        self.budget = check_budget(settings.budget, settings.policy.name)
+        policy = settings.policy.policy_class
+        self.needs_native = policy.needs_native_routes
+        self.budget = check_budget(settings.budget, settings.policy.name, fixed=policy.fixed_budget)
         self.policy = self.tracker = None
-        self._no_replay = get_policy("none")
+        self._no_replay = NoReplay()  # a native pass replays nothing
         self._call: _Call | None = None
-        self._native_routes: dict[bytes, Tensor] = {}
+        self._native_routes: dict[bytes, tuple[Tensor, Tensor]] = {}
         self._reset_step()
 
     def _reset_step(self) -> None:
@@ -134,7 +138,7 @@ class ReplayMaskHook:
         the masks already chosen. The flag is the same on every rank, so every rank runs the same
         passes and collectives.
         """
-        return self.mismatch and info.forward_only and not self._native_pass_done
+        return self.needs_native and info.forward_only and not self._native_pass_done
 
     def begin_call(self, info: CallInfo, *, native_pass: bool = False) -> None:
         if self.policy is None:
@@ -142,7 +146,9 @@ class ReplayMaskHook:
             self._topk = info.topk
         native = torch.zeros(info.num_tokens, info.route_layers, info.topk, dtype=torch.int16,
                              device=counters.collective_device())
-        self._call = _Call(info=info, native=native, native_pass=native_pass)
+        margin = (torch.zeros(info.num_tokens, info.route_layers, device=counters.collective_device())
+                  if native_pass else None)
+        self._call = _Call(info=info, native=native, native_pass=native_pass, native_margin=margin)
 
     def abort_call(self) -> None:
         self._call = None
@@ -153,7 +159,9 @@ class ReplayMaskHook:
         if call is None:
             return None
         if call.native_pass:
-            self._keep_native_routes(call, counters.assemble_over_model_parallel(call.native))
+            assert call.native_margin is not None
+            self._keep_native_routes(call, counters.assemble_over_model_parallel(call.native),
+                                     counters.assemble_over_model_parallel(call.native_margin))
             self._native_pass_done = True
             return None
         if call.info.forward_only:
@@ -200,8 +208,8 @@ class ReplayMaskHook:
         with split_augmented_targets(topk):
             original(packed, attention_mask, tf_config, vp_rank, replay_mask=None, local_cp_size=local_cp_size, model=model)
 
-    def observe(self, replay, native: Tensor) -> None:
-        """Called by a router in REPLAY_FORWARD with the native top-k of its rows."""
+    def observe(self, replay, native: Tensor, scores: Tensor | None = None) -> None:
+        """Called by a router in REPLAY_FORWARD with the native top-k of its rows (and its scores)."""
         call = self._call
         extra = getattr(replay.target_replay_mask, "_ablate", None)
         column = getattr(replay, "_ablate_column", None)
@@ -210,6 +218,9 @@ class ReplayMaskHook:
         rows = extra[1].to(call.native.device)
         real = rows >= 0  # rows verl added to pad sequences for TP/CP have row id -1
         call.native[rows[real], column] = (native.to(call.native.device)[real] + 1).to(torch.int16)
+        if call.native_margin is not None and scores is not None:
+            margin = native_margin(scores.detach().float(), native)
+            call.native_margin[rows[real], column] = margin.to(call.native_margin.device)[real]
 
     def add_fisher(self, layer: int, logit_grads: Tensor, valid: Tensor) -> None:
         """Per-token squared router-logit gradients of one MoE layer's valid rows.
@@ -236,11 +247,12 @@ class ReplayMaskHook:
             return select_micro_batch(self._no_replay, 0.0, self.settings.seed, routes, r3_mask, offsets,
                                       info.num_experts)
         keys = sequence_keys(routes[:, 0], offsets)
-        native = has_native = None
-        if self.mismatch:
-            native, has_native = self._stitch_native_routes(routes, offsets, keys)
+        native = has_native = margin = None
+        if self.needs_native:
+            native, has_native, margin = self._stitch_native_routes(routes, offsets, keys)
         selection = select_micro_batch(self.policy, self.budget, self.settings.seed, routes, r3_mask, offsets,
-                                       info.num_experts, keys=keys, native=native, has_native=has_native)
+                                       info.num_experts, keys=keys, native=native, has_native=has_native,
+                                       native_margin=margin)
         self.step_counts["fisher_fallback"] += float(selection.fisher_fallback)
         return selection
 
@@ -258,26 +270,28 @@ class ReplayMaskHook:
         for key, value in counters.micro_batch_counts(selection, native, self.tracker.shape[1], scores).items():
             self.step_counts[key] += value
 
-    def _keep_native_routes(self, call: _Call, native: Tensor) -> None:
-        """Keep each sequence's native routes of the native pass for the step's replayed passes."""
+    def _keep_native_routes(self, call: _Call, native: Tensor, margin: Tensor) -> None:
+        """Keep each sequence's native routes (and margins) of the native pass for the step's replayed passes."""
         columns = call.info.moe_columns
         for index, selection in call.selections.items():
-            part = native[call.rows_of(index)][:, columns]
+            part, margins = native[call.rows_of(index)][:, columns], margin[call.rows_of(index)][:, columns]
             bounds = selection.offsets.tolist()
             for key, start, end in zip(selection.keys, bounds[:-1], bounds[1:]):
-                self._native_routes[key] = part[start:end] - 1
+                self._native_routes[key] = (part[start:end] - 1, margins[start:end])
 
-    def _stitch_native_routes(self, routes: Tensor, offsets: Tensor, keys: list[bytes]) -> tuple[Tensor, Tensor]:
-        """Native routes of a micro-batch from the step's native pass, and which tokens have them."""
+    def _stitch_native_routes(self, routes: Tensor, offsets: Tensor, keys: list[bytes]) -> tuple[Tensor, Tensor, Tensor]:
+        """Native routes and margins of a micro-batch from the step's native pass, and which tokens have them."""
         native = torch.zeros(routes.shape, dtype=torch.int16, device=routes.device)
+        margin = torch.zeros(routes.shape[:2], device=routes.device)
         known = torch.zeros(routes.shape[0], dtype=torch.bool, device=routes.device)
         bounds = offsets.tolist()
         for key, start, end in zip(keys, bounds[:-1], bounds[1:]):
             found = self._native_routes.get(key)
-            if found is not None and found.shape == native[start:end].shape:
-                native[start:end] = found.to(routes.device)
-                known[start:end] = (found >= 0).all(-1).all(-1).to(routes.device)
-        return native, known
+            if found is not None and found[0].shape == native[start:end].shape:
+                native[start:end] = found[0].to(routes.device)
+                margin[start:end] = found[1].to(routes.device)
+                known[start:end] = (found[0] >= 0).all(-1).all(-1).to(routes.device)
+        return native, known, margin
 
     def _fold_fisher(self) -> int:
         """The step's Fisher sums, summed over the world, become one step of the estimate.

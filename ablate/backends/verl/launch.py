@@ -61,11 +61,11 @@ def seed_overrides(seed: int) -> list[str]:
 def verl_overrides(settings: HookSettings) -> list[str]:
     """Hydra overrides that make verl's ``ppo_trainer`` config run one ablation cell. Pure."""
     overrides = seed_overrides(settings.seed)
-    policy = settings.policy.name
-    if policy == "none":
+    fixed = settings.policy.policy_class.fixed_budget
+    if fixed == 0:  # replays nothing: verl without routing replay
         return overrides + [f"{MODE_KEY}=disabled", f"{ROLLOUT_ROUTES_KEY}=False"]
     overrides += [f"{MODE_KEY}=R3", f"{ROLLOUT_ROUTES_KEY}=True"]
-    if policy == "full":
+    if fixed == 1:  # replays every route: verl's own R3, no mask to choose
         return overrides
     return overrides + [
         f"actor_rollout_ref.model.external_lib={WORKER_MODULE}",
@@ -89,7 +89,7 @@ def check_verl(wanted: str = VERL_VERSION) -> str:
     return found
 
 
-def check_cell_config(config, policy: str) -> None:
+def check_cell_config(config, policy: str, plugins: Sequence[str] = ()) -> None:
     """Reject a composed verl config that cannot run ``policy`` as ablate means it.
 
     Replay needs the Megatron engine and routes recorded by a vLLM or SGLang rollout. The hook
@@ -97,9 +97,14 @@ def check_cell_config(config, policy: str) -> None:
     native routes from a native pass the hook runs in the old-log-prob call, which bypass mode
     skips: with one PPO epoch every
     sequence would first be seen in the update pass and route natively, so the cell would be
-    ``none`` under another name. It is refused rather than run.
+    ``none`` under another name. The same holds for every policy that ``needs_native_routes``.
+    ``plugins`` are the cell's modules to import before ``policy`` is looked up.
     """
     from omegaconf import OmegaConf
+
+    from ablate.policies import PolicySpec
+
+    traits = PolicySpec(policy, plugins=tuple(plugins)).policy_class
 
     actor = config.actor_rollout_ref.actor
     mode = OmegaConf.select(config, MODE_KEY, default="disabled")
@@ -119,16 +124,16 @@ def check_cell_config(config, policy: str) -> None:
             f"actor_rollout_ref.rollout.name={config.actor_rollout_ref.rollout.name}: only vllm and sglang "
             "return routed_experts for R3"
         )
-    if policy in ("none", "full"):
+    if traits.fixed_budget is not None:  # no mask of ablate's: verl's own R3 or no replay
         return
     if OmegaConf.select(config, DYNAMIC_CP_KEY, default=False):
         raise VerlLaunchError(
             f"{DYNAMIC_CP_KEY}=True with policy={policy}: the replay-mask hook follows verl's static "
             f"micro-batches; set {DYNAMIC_CP_KEY}=False"
         )
-    if policy == "mismatch" and OmegaConf.select(config, BYPASS_KEY, default=False):
+    if traits.needs_native_routes and OmegaConf.select(config, BYPASS_KEY, default=False):
         raise VerlLaunchError(
-            f"policy=mismatch with {BYPASS_KEY}=True: mismatch selects on the native routes of the "
+            f"policy={policy} with {BYPASS_KEY}=True: {policy} selects on the native routes of the "
             "old-log-prob pass, which bypass mode skips, so it would replay nothing; set "
             f"{BYPASS_KEY}=False or choose another policy"
         )

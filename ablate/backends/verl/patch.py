@@ -192,13 +192,13 @@ def wrap_routers(hook):
 
         def compute_native(s, k, num_groups=None, group_topk=None):
             probs, indices = default_compute_topk(s, k, num_groups=num_groups, group_topk=group_topk)
-            captured.append(indices)
+            captured.append((s, indices))
             return probs, indices
 
         out = original_topk(self, scores, topk, num_groups, group_topk, compute_native)
         if captured:
             with torch.no_grad():
-                hook.observe(self, captured[0])
+                hook.observe(self, captured[0][1], captured[0][0])
         return out
 
     def routing(self, logits, *args, **kwargs):

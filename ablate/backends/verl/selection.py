@@ -132,13 +132,15 @@ def select_micro_batch(
     keys: list[bytes] | None = None,
     native: Tensor | None = None,
     has_native: Tensor | None = None,
+    native_margin: Tensor | None = None,
 ) -> MicroBatchSelection:
     """Select the replayed routes of one micro-batch of MoE routes ``[tokens, layers, topk]``.
 
     ``r3_mask`` is verl's per-token R3 mask, ``offsets`` the sequence boundaries and ``keys``
     the sequences' content keys (computed when not given). ``native`` (``[tokens, layers,
-    topk]``) is needed by ``mismatch``; tokens where ``has_native`` is False are not selected
-    (their native routes are not known).
+    topk]``) and ``native_margin`` (``[tokens, layers]``) are needed by policies that
+    ``needs_native_routes``; tokens where ``has_native`` is False are not selected (their native
+    routes are not known).
     """
     recorded = recorded_routes(routes, num_experts)
     valid = r3_mask.to(routes.device).bool() & recorded.all(1)
@@ -148,7 +150,7 @@ def select_micro_batch(
     fallback = False
     if bool(selectable.any()):
         batch = Routes(rollout=routes, valid=selectable, num_experts=num_experts, native=native, offsets=offsets,
-                       ids_checked=True)
+                       ids_checked=True, native_margin=native_margin)
         mask = policy.select(batch, budget, generator=sequence_generators(seed, keys), per_sequence=True)
         fallback = bool(policy.info.get("fisher_fallback", 0.0))
     return MicroBatchSelection(
