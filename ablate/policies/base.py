@@ -193,12 +193,12 @@ def _register(name: str, cls: Any, where: str) -> None:
         raise PolicyError(f"{where} names {cls!r}: expected a ReplayPolicy subclass")
     if name in _REGISTRY and _REGISTRY[name] is not cls:
         raise PolicyError(f"policy name {name!r} ({where}) is already registered by {_REGISTRY[name].__qualname__}")
-    _check_settings(name, cls, where)
+    _check_settings(cls, where)
     cls.name = name
     _REGISTRY[name] = cls
 
 
-def _check_settings(name: str, cls: type[ReplayPolicy], where: str) -> None:
+def _check_settings(cls: type[ReplayPolicy], where: str) -> None:
     """The policy's ``Settings`` schema and its ``__init__`` keywords agree, field by field."""
     settings = cls.Settings
     if not (dataclasses.is_dataclass(settings) and isinstance(settings, type) and issubclass(settings, PolicyConfig)):
