@@ -108,3 +108,20 @@ def test_the_hook_settings_carry_the_cell_and_verl_update_epochs(tmp_path):
 
     assert cell.name == "fisher+tau=0.5,fisher.decay=0.7-b0.25-s4"
     assert compose(default_config_dir(), "ablate_ppo", command[5:]).trainer.experiment_name == cell.name
+
+
+def test_dry_run_from_the_command_line_as_a_user_types_it(tmp_path):
+    """The verl config is composed inside the running Hydra app (a second Hydra must not clash)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "ablate", "backend=verl", "policy=fisher", "budget=0.25", "seed=0",
+         "backend.dry_run=true", "tracking.mode=disabled", f"store_dir={tmp_path}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert "-m verl.trainer.main_ppo" in lines[-2] and "router_replay.mode=R3" in lines[-2]
+    assert lines[-1] == "fisher-b0.25-s0: dry run, nothing run or written"
+    assert "GlobalHydra" not in done.stderr

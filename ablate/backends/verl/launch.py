@@ -157,9 +157,19 @@ def compose(config_dir: str | Path, config_name: str, overrides: Sequence[str]):
     """verl's config extended by ``config_dir/config_name`` with ``overrides``, as main_ppo sees it."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.initialize import get_gh_backup, restore_gh_from_backup
 
-    with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
-        return hydra_compose(config_name=config_name, overrides=list(overrides))
+    # Inside ``python -m ablate`` Hydra's global state belongs to the running app, and
+    # initialize_config_dir refuses to start a second one: set the app's state aside for the
+    # length of this compose and give it back after, as Hydra's own initialize contexts do.
+    running_app = get_gh_backup()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
+            return hydra_compose(config_name=config_name, overrides=list(overrides))
+    finally:
+        restore_gh_from_backup(running_app)
 
 
 __all__ = [
