@@ -24,6 +24,13 @@ def needs_verl_runtime() -> None:
     pytest.importorskip("transfer_queue", reason="verl's runtime packages are missing: run .ci/verl-env.sh")
 
 
+def cell_dir(sweep: Path, name: str) -> Path:
+    """The folder of the cell called ``name`` (``random-b0.5-s0``): the name plus its id's hash."""
+    found = [path for path in sweep.glob(f"{name}-*") if path.name.rsplit("-", 1)[0] == name]
+    assert len(found) == 1, (name, sorted(path.name for path in sweep.iterdir()))
+    return found[0]
+
+
 def ablate_command(store: Path, assets: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "ablate", "backend=verl_cpu", f"store_dir={store}",
             f"backend.cpu.assets_dir={assets}", "tracking.progress=false", *args]

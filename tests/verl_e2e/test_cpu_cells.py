@@ -11,7 +11,7 @@ import math
 import pandas as pd
 import pytest
 
-from conftest import BUDGET, CELLS, POLICIES, needs_verl_runtime
+from conftest import BUDGET, CELLS, POLICIES, cell_dir, needs_verl_runtime
 
 needs_verl_runtime()
 pytestmark = [pytest.mark.slow, pytest.mark.verl]
@@ -32,7 +32,7 @@ WHERE_DEFINED = ("replay/override_rate", "replay/effective_budget", "routing/mis
 def records(store, policy) -> pd.DataFrame:
     from ablate.store import read_records
 
-    return read_records(store / "cpu" / CELLS[policy])
+    return read_records(cell_dir(store / "cpu", CELLS[policy]))
 
 
 def test_every_policy_completes_with_every_key_from_the_store_and_the_wandb_run(policy_store):
@@ -40,7 +40,7 @@ def test_every_policy_completes_with_every_key_from_the_store_and_the_wandb_run(
     from ablate.tracking import find_offline_runs, history_frame, read_offline_run
 
     for policy in POLICIES:
-        cell = policy_store / "cpu" / CELLS[policy]
+        cell = cell_dir(policy_store / "cpu", CELLS[policy])
         assert read_json(cell / "status.json")["status"] == "complete", policy
         frame = records(policy_store, policy)
         assert list(frame["step"]) == list(range(1, STEPS + 1)), policy

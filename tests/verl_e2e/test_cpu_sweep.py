@@ -17,7 +17,7 @@ import time
 import psutil
 import pytest
 
-from conftest import CELLS, ablate_command, needs_verl_runtime, run_ablate
+from conftest import CELLS, ablate_command, cell_dir, needs_verl_runtime, run_ablate
 
 needs_verl_runtime()
 pytestmark = [pytest.mark.slow, pytest.mark.verl]
@@ -34,23 +34,26 @@ def test_grid_interrupted_then_resumed_and_analyzed(policy_store, assets):
     from ablate.store import read_json, read_records
 
     sweep = policy_store / "cpu"
-    before = {name: (sweep / name / "records.parquet").stat().st_mtime_ns for name in (CELLS["none"], CELLS["random"])}
+    before = {name: (cell_dir(sweep, name) / "records.parquet").stat().st_mtime_ns
+              for name in (CELLS["none"], CELLS["random"])}
     process = subprocess.Popen(ablate_command(policy_store, assets, *GRID), cwd=policy_store.parent,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, "RAY_AUTH_MODE": "disabled"})
-    cell = sweep / "none-s1"
     deadline = time.monotonic() + 900
-    while logged_steps(cell) < 1:
+    while not list(sweep.glob("none-s1-*")) or logged_steps(cell_dir(sweep, "none-s1")) < 1:
         assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-4000:]
         time.sleep(1)
-    tree = psutil.Process(process.pid).children(recursive=True)
+    main_ppo = next(child for child in psutil.Process(process.pid).children(recursive=True)
+                    if "verl.trainer.main_ppo" in " ".join(child.cmdline()))
+    tree = [main_ppo, *main_ppo.children(recursive=True)]  # main_ppo, Ray's GCS, raylet and every worker
     names = sorted({child.name() for child in tree})
     print(f"\nprocess tree of the running cell: {len(tree)} processes ({', '.join(names)})")
-    assert any("main_ppo" in " ".join(child.cmdline()) for child in tree)
-    assert any("raylet" in child.name() for child in tree)
+    commands = [" ".join(child.cmdline()) for child in tree]
+    assert any("raylet" in command for command in commands) and any("ray::" in command for command in commands)
     process.send_signal(signal.SIGINT)
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 130, output[-4000:]
+    cell = cell_dir(sweep, "none-s1")
     survivors = [child for child in tree if child.is_running() and child.status() != psutil.STATUS_ZOMBIE]
     print(f"after SIGINT: {len(survivors)} of them alive")
     assert not survivors, [(child.pid, child.name()) for child in survivors]
@@ -64,10 +67,10 @@ def test_grid_interrupted_then_resumed_and_analyzed(policy_store, assets):
     assert done.returncode == 0, (done.stdout[-4000:], done.stderr[-4000:])
     assert "sweep cpu: 2 complete, 0 failed, 2 skipped" in done.stdout + done.stderr
     for name, stamp in before.items():
-        assert (sweep / name / "records.parquet").stat().st_mtime_ns == stamp  # complete cells are not rerun
+        assert (cell_dir(sweep, name) / "records.parquet").stat().st_mtime_ns == stamp  # complete cells are not rerun
     for name in ("none-s1", "random-b0.5-s1"):
-        assert read_json(sweep / name / "status.json")["status"] == "complete"
-        assert len(read_records(sweep / name)) == 3
+        assert read_json(cell_dir(sweep, name) / "status.json")["status"] == "complete"
+        assert len(read_records(cell_dir(sweep, name))) == 3
     assert read_json(cell / "status.json")["attempt"] == 2
 
     analyzed = subprocess.run([sys.executable, "-m", "ablate.analysis", str(sweep), "--reps", "200"],

@@ -124,3 +124,24 @@ def test_dry_run_from_the_command_line_as_a_user_types_it(tmp_path):
     assert "-m verl.trainer.main_ppo" in lines[-2] and "router_replay.mode=R3" in lines[-2]
     assert lines[-1] == "fisher-b0.25-s0: dry run, nothing run or written"
     assert "GlobalHydra" not in done.stderr
+
+
+@pytest.mark.parametrize("policy", ["none", "full", "random", "uniform", "fisher", "mismatch"])
+def test_the_cpu_config_passes_the_launch_checks_for_every_policy(tmp_path, policy):
+    """backend=verl_cpu composes to a config check_cell_config accepts; a dry run makes no assets."""
+    from ablate.backends.verl.cpu import PLUGIN_MODULE, ROLLOUT_NAME
+    from ablate.backends.verl.launch import compose
+
+    overrides = [f"policy={policy}"] + ([] if policy in ("none", "full") else ["budget=0.5"])
+    with initialize_config_module(config_module="ablate.conf", version_base="1.3"):
+        cfg = compose("config", overrides=["backend=verl_cpu", "tracking.mode=disabled", f"store_dir={tmp_path}",
+                                           f"backend.cpu.assets_dir={tmp_path / 'assets'}", *overrides])
+    cell = cell_from_config(cfg)
+    command, env = build_command(cell, tmp_path / "metrics.jsonl", launch=False)
+    assert env["VERL_USE_EXTERNAL_MODULES"] == PLUGIN_MODULE and env["VERL_PLATFORM"] == "cpu"
+    assert f"actor_rollout_ref.model.path='{tmp_path / 'assets' / 'model'}'" in command
+    assert not (tmp_path / "assets").exists()
+    config_dir = command[3].removeprefix("--config-path=")
+    composed = compose(config_dir, "ablate_ppo_cpu", command[5:])
+    assert composed.actor_rollout_ref.rollout.name == ROLLOUT_NAME
+    assert composed.ray_kwargs.ray_init.include_dashboard is False

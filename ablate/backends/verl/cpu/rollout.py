@@ -8,7 +8,7 @@ top-k, as the routers of a real inference engine differ from the trainer's in ke
 precision: its routes then disagree with the trainer's and replay has something to fix.
 :class:`CpuServerAdapter` (a verl ``BaseRollout``) lives in the hybrid training worker and sends
 the trainer's weights to that actor at every weight sync. Both are registered in verl's two
-rollout registries by :func:`register`; no verl code is patched for the rollout.
+rollout registries by :mod:`.plugin`; no verl code is patched for the rollout.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
-from ablate.backends.verl.cpu import ROLLOUT_NAME, ROUTER_NOISE_ENV
+from ablate.backends.verl.cpu import ROUTER_NOISE_ENV
 
 _EXPERT_WEIGHT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
@@ -204,11 +204,3 @@ class CpuServerAdapter(BaseRollout):
             server = ray.get_actor(server_name(self.replica_rank))
             await server.load_weights.remote(named, kwargs.get("global_steps"))
 
-
-def register() -> None:
-    """Register the CPU rollout under :data:`ROLLOUT_NAME` in the trainer's and the workers' registry."""
-    from verl.workers.rollout import base
-    from verl.workers.rollout.replica import RolloutReplicaRegistry
-
-    RolloutReplicaRegistry.register(ROLLOUT_NAME, lambda: CpuReplica)
-    base._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = f"{__name__}.CpuServerAdapter"
