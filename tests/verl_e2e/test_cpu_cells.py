@@ -11,7 +11,7 @@ import math
 import pandas as pd
 import pytest
 
-from conftest import BUDGET, CELLS, POLICIES, cell_dir, needs_verl_runtime
+from cpu_cells import BUDGET, CELLS, POLICIES, cell_dir, needs_verl_runtime
 
 needs_verl_runtime()
 pytestmark = [pytest.mark.slow, pytest.mark.verl]

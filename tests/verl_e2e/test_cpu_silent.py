@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import cell_dir, needs_verl_runtime, run_ablate
+from cpu_cells import cell_dir, needs_verl_runtime, run_ablate
 
 needs_verl_runtime()
 pytestmark = [pytest.mark.slow, pytest.mark.verl]

@@ -17,7 +17,7 @@ import time
 import psutil
 import pytest
 
-from conftest import CELLS, ablate_command, cell_dir, needs_verl_runtime, run_ablate
+from cpu_cells import CELLS, ablate_command, cell_dir, needs_verl_runtime, run_ablate
 
 needs_verl_runtime()
 pytestmark = [pytest.mark.slow, pytest.mark.verl]
