@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-verl test-wheel docs bench install clean
+.PHONY: demo test test-slow test-verl test-verl-e2e test-wheel docs bench install clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ test-slow: $(STAMP)
 test-verl:
 	bash .ci/verl-env.sh
 	.venv-verl/bin/python -m pytest -q tests/verl_tier
+
+test-verl-e2e:
+	bash .ci/verl-env.sh
+	.venv-verl/bin/python -m pytest -q -s tests/verl_e2e
 
 test-wheel:
 	PYTHON=$(PYTHON) TORCH_SPEC="$(TORCH_SPEC)" bash .ci/wheel-smoke.sh

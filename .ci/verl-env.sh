@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the separate verl test environment (.venv-verl) for tests/verl_tier.
+# Build the separate verl test environment (.venv-verl) for tests/verl_tier and tests/verl_e2e.
 # Idempotent: creates the venv only when missing and lets pip skip what is already installed.
 # Usage: bash .ci/verl-env.sh && .venv-verl/bin/python -m pytest tests/verl_tier -q
 #
@@ -22,6 +22,9 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 "${PIP[@]}" torch==2.13.0 megatron-core==0.16.1 tensordict==0.10.0 \
     "transformers>=5.5.3,<5.11,!=5.6.0" "omegaconf>=2.2,<2.4" "hydra-core>=1.3.2,<1.4" \
     codetiming cachetools fastapi uvicorn "ray>=2.30,<3" pytest numpy pandas pyarrow peft accelerate datasets dill pybind11 pylatexenc torchdata tensorboard
+# What verl 0.9.1's main_ppo itself imports at run time (its verl-core and mcore extras, less the
+# CUDA ones): the CPU end-to-end tier (tests/verl_e2e, backend=verl_cpu) runs the whole trainer.
+"${PIP[@]}" torch==2.13.0 "TransferQueue==0.1.11" pyzmq msgspec aiohttp "mbridge==0.15.1" einops prometheus_client
 # ablate itself, editable, plus the core runtime deps from pyproject.toml (torch is already pinned).
 "${PIP[@]}" torch==2.13.0 "optuna>=4.0" "wandb>=0.31" "filelock>=3.12" "psutil>=5.9" "tqdm>=4.66"
 "${PIP[@]}" --no-deps -e "$REPO"
@@ -30,6 +33,6 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
-for name in ("torch", "verl", "megatron-core", "tensordict", "transformers"):
+for name in ("torch", "verl", "megatron-core", "tensordict", "transformers", "mbridge", "TransferQueue"):
     print(f"{name}=={md.version(name)}")
 PY

@@ -87,15 +87,12 @@ def test_every_policy_passes_verl_config_main_ppo_merge_and_ray_validation(polic
     validate_config(config, use_reference_policy=False, use_critic=False)
     check_cell_config(config, policy)
     mode = config.actor_rollout_ref.actor.megatron.router_replay.mode
-    assert mode == {"none": "disabled"}.get(policy, "R3")
-    assert config.actor_rollout_ref.rollout.enable_rollout_routing_replay == (policy != "none")
+    assert mode == "R3"  # every policy: none replays an empty mask, full every recorded route
+    assert config.actor_rollout_ref.rollout.enable_rollout_routing_replay
     env = runtime_env_of(config, monkeypatch)["env_vars"]
     assert all(isinstance(value, str) for value in env.values())
-    hooked = policy not in ("none", "full")
-    assert (config.actor_rollout_ref.model.external_lib == "ablate.backends.verl.worker") == hooked
-    assert (HookSettings.ENV in env) == hooked
-    if hooked:
-        assert HookSettings.from_json(env[HookSettings.ENV]) == settings
+    assert config.actor_rollout_ref.model.external_lib == "ablate.backends.verl.worker"
+    assert HookSettings.from_json(env[HookSettings.ENV]) == settings
 
 
 def test_unquoted_values_are_what_ray_rejects(monkeypatch):

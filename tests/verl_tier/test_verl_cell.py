@@ -38,7 +38,7 @@ def test_split_metrics_maps_verl_training_metrics_and_keeps_native_names():
 
 
 @pytest.mark.parametrize("policy, budget, mode", [
-    ("none", None, "disabled"), ("full", None, "R3"), ("fisher", 0.25, "R3"), ("mismatch", 0.1, "R3"),
+    ("none", None, "R3"), ("full", None, "R3"), ("fisher", 0.25, "R3"), ("mismatch", 0.1, "R3"),
 ])
 def test_cell_becomes_a_checked_verl_command(tmp_path, policy, budget, mode):
     overrides = [f"policy={policy}"] + ([f"budget={budget}"] if budget is not None else [])
@@ -48,8 +48,7 @@ def test_cell_becomes_a_checked_verl_command(tmp_path, policy, budget, mode):
     assert f"actor_rollout_ref.actor.megatron.router_replay.mode={mode}" in command
     assert "trainer.logger=[console,file]" in command and f"trainer.experiment_name='{cell.name}'" in command
     assert env["VERL_FILE_LOGGER_PATH"] == str(tmp_path / "metrics.jsonl")
-    hooked = any(part.startswith("actor_rollout_ref.model.external_lib=") for part in command)
-    assert hooked == (policy not in ("none", "full"))
+    assert "actor_rollout_ref.model.external_lib=ablate.backends.verl.worker" in command
 
 
 def test_dry_run_prints_the_checked_command_and_writes_nothing(tmp_path, capsys):
@@ -108,3 +107,41 @@ def test_the_hook_settings_carry_the_cell_and_verl_update_epochs(tmp_path):
 
     assert cell.name == "fisher+tau=0.5,fisher.decay=0.7-b0.25-s4"
     assert compose(default_config_dir(), "ablate_ppo", command[5:]).trainer.experiment_name == cell.name
+
+
+def test_dry_run_from_the_command_line_as_a_user_types_it(tmp_path):
+    """The verl config is composed inside the running Hydra app (a second Hydra must not clash)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "ablate", "backend=verl", "policy=fisher", "budget=0.25", "seed=0",
+         "backend.dry_run=true", "tracking.mode=disabled", f"store_dir={tmp_path}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert "-m verl.trainer.main_ppo" in lines[-2] and "router_replay.mode=R3" in lines[-2]
+    assert lines[-1] == "fisher-b0.25-s0: dry run, nothing run or written"
+    assert "GlobalHydra" not in done.stderr
+
+
+@pytest.mark.parametrize("policy", ["none", "full", "random", "uniform", "fisher", "mismatch"])
+def test_the_cpu_config_passes_the_launch_checks_for_every_policy(tmp_path, policy):
+    """backend=verl_cpu composes to a config check_cell_config accepts; a dry run makes no assets."""
+    from ablate.backends.verl.cpu import PLUGIN_MODULE, ROLLOUT_NAME
+    from ablate.backends.verl.launch import compose
+
+    overrides = [f"policy={policy}"] + ([] if policy in ("none", "full") else ["budget=0.5"])
+    with initialize_config_module(config_module="ablate.conf", version_base="1.3"):
+        cfg = compose("config", overrides=["backend=verl_cpu", "tracking.mode=disabled", f"store_dir={tmp_path}",
+                                           f"backend.cpu.assets_dir={tmp_path / 'assets'}", *overrides])
+    cell = cell_from_config(cfg)
+    command, env = build_command(cell, tmp_path / "metrics.jsonl", launch=False)
+    assert env["VERL_USE_EXTERNAL_MODULES"] == PLUGIN_MODULE and env["VERL_PLATFORM"] == "cpu"
+    assert f"actor_rollout_ref.model.path='{tmp_path / 'assets' / 'model'}'" in command
+    assert not (tmp_path / "assets").exists()
+    config_dir = command[3].removeprefix("--config-path=")
+    composed = compose(config_dir, "ablate_ppo_cpu", command[5:])
+    assert composed.actor_rollout_ref.rollout.name == ROLLOUT_NAME
+    assert composed.ray_kwargs.ray_init.include_dashboard is False

@@ -32,7 +32,9 @@ from ablate.backends.verl.launch import (
     update_epochs,
     verl_overrides,
 )
+from ablate.backends.verl.liveness import check_step
 from ablate.backends.verl.metrics import ACTOR_PREFIX
+from ablate.backends.verl.processes import stop_tree
 from ablate.cell import Cell
 from ablate.config import VerlConfig, choice_value
 from ablate.diagnostics import SCHEMA
@@ -71,6 +73,7 @@ def split_metrics(data: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, 
     a NaN again (undefined this step), so the record keeps every key the hook emitted.
     """
     record: dict[str, float] = {}
+    mapped: dict[str, float] = {}  # a schema key ablate computed itself wins over verl's version of it
     native: dict[str, float] = {}
     for key, value in data.items():
         hook_key = key.removeprefix(ACTOR_PREFIX)
@@ -81,11 +84,11 @@ def split_metrics(data: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, 
         if hook_key in SCHEMA:
             record[hook_key] = float(value)
         elif key in VERL_KEYS:
-            record[VERL_KEYS[key]] = float(value)
+            mapped.setdefault(VERL_KEYS[key], float(value))
             native[key] = float(value)
         else:
             native[key] = float(value)
-    return record, native
+    return {**mapped, **record}, native
 
 
 def follow(path: Path, process: subprocess.Popen, poll: float = 1.0) -> Iterator[dict[str, Any]]:
@@ -108,18 +111,27 @@ def follow(path: Path, process: subprocess.Popen, poll: float = 1.0) -> Iterator
         time.sleep(poll)
 
 
-def build_command(cell: Cell, metrics_file: Path) -> tuple[list[str], dict[str, str]]:
+def build_command(cell: Cell, metrics_file: Path, *, launch: bool = True) -> tuple[list[str], dict[str, str]]:
     """The verl command line and environment of a cell; checks verl and the config first.
 
     The config is composed twice: once to read what the worker hook must know of verl's own
     settings (the number of update epochs), then with the hook's settings, to check the
-    command exactly as ``main_ppo`` will compose it.
+    command exactly as ``main_ppo`` will compose it. A CPU cell (``backend.cpu``) makes its
+    assets only when it is to be launched, not for a dry run.
     """
     cfg = BACKEND.config_of(cell)
     check_verl()
     config_dir = Path(cfg.config_dir) if cfg.config_dir else default_config_dir()
+    env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_file)}
+    cpu: list[str] = []
+    if cfg.cpu is not None:
+        from ablate.backends.verl.cpu import launch as cpu_launch
+
+        cpu = cpu_launch.overrides(cfg.cpu, make_assets=launch)
+        env.update(cpu_launch.environment(cfg.cpu))
     # Quoted: a settings variant puts '=' and ',' in the name (fisher+tau=0.5-b0.25-s4).
-    own = ["trainer.logger=[console,file]", f"trainer.experiment_name={hydra_string(cell.name)}", *cfg.overrides]
+    own = [*cpu, "trainer.logger=[console,file]", f"trainer.experiment_name={hydra_string(cell.name)}",
+           *cfg.overrides]
     settings = HookSettings(policy=cell.policy_spec(), budget=cell.budget, seed=cell.seed)
     draft = compose(config_dir, cfg.config_name, [*verl_overrides(settings), *own])
     check_cell_config(draft, cell.policy, cell.plugins)
@@ -128,12 +140,12 @@ def build_command(cell: Cell, metrics_file: Path) -> tuple[list[str], dict[str, 
     check_cell_config(compose(config_dir, cfg.config_name, overrides), cell.policy, cell.plugins)
     command = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={config_dir.resolve()}",
                f"--config-name={cfg.config_name}", *overrides]
-    return command, {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_file)}
+    return command, env
 
 
 def dry_run_command(cell: Cell) -> str:
     """``backend.dry_run=true``: the verl command the cell would run, checked as a launch is."""
-    command, _ = build_command(cell, Path("verl_metrics.jsonl"))
+    command, _ = build_command(cell, Path("verl_metrics.jsonl"), launch=False)
     return shlex.join(command)
 
 
@@ -142,15 +154,14 @@ def run_cell_steps(cell: Cell, log_step: Callable[..., None], directory: Path) -
     metrics_file = directory / "verl_metrics.jsonl"
     command, env = build_command(cell, metrics_file)
     metrics_file.unlink(missing_ok=True)  # a rerun must not replay the previous attempt's steps
-    process = subprocess.Popen(command, env=env)
+    process = subprocess.Popen(command, env=env, start_new_session=True)  # stopped in order by stop_tree
     try:
         for line in follow(metrics_file, process):
             record, native = split_metrics(line.get("data", {}))
             log_step(int(line["step"]), record, native)
+            check_step(int(line["step"]), record, native, cell.budget)
     finally:
-        if process.poll() is None:
-            process.terminate()
-            process.wait()
+        stop_tree(process)
     if process.returncode:
         raise RuntimeError(f"verl main_ppo exited with status {process.returncode}: {' '.join(command[:4])} ...")
 

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ablate.backends.verl import counters
 from ablate.backends.verl.metrics import step_metrics
-from ablate.backends.verl.patch import CallInfo, augment_routes, split_augmented_targets
+from ablate.backends.verl.patch import MICRO_BATCHES_KEY, CallInfo, augment_routes, split_augmented_targets
 from ablate.backends.verl.selection import MicroBatchSelection, select_micro_batch, sequence_keys
 from ablate.budget import check_budget
 from ablate.diagnostics.metrics import ROUTE_COUNTS
@@ -125,6 +125,7 @@ class ReplayMaskHook:
 
     def _reset_step(self) -> None:
         self.step_counts = dict.fromkeys(STEP_COUNTS, 0.0)
+        self.step_micro_batches = 0
         self._fisher_sums = self._fisher_counts = self._fisher_skipped = None
         self._native_routes.clear()
         self._native_pass_done = False
@@ -177,6 +178,7 @@ class ReplayMaskHook:
         nonfinite = self._fold_fisher()
         metrics = step_metrics(totals, self.budget, self._topk, fisher_fallback=totals["fisher_fallback"] > 0,
                                fisher_nonfinite=nonfinite, update_epochs=self.settings.update_epochs)
+        metrics[MICRO_BATCHES_KEY] = float(self.step_micro_batches)
         self._reset_step()
         return metrics
 
@@ -246,6 +248,7 @@ class ReplayMaskHook:
         if call.native_pass:
             return select_micro_batch(self._no_replay, 0.0, self.settings.seed, routes, r3_mask, offsets,
                                       info.num_experts)
+        self.step_micro_batches += 1
         keys = sequence_keys(routes[:, 0], offsets)
         native = has_native = margin = None
         if self.needs_native:

@@ -1,7 +1,7 @@
 """From one ablation cell to a verl ``main_ppo`` launch.
 
-``none`` runs verl with router replay disabled, ``full`` runs verl's plain R3, every other policy
-runs R3 with :mod:`ablate.backends.verl.hook` choosing per-(token, layer) masks. The hook reaches
+Every policy runs R3 with :mod:`ablate.backends.verl.hook` choosing per-(token, layer) masks
+(``none`` an empty one, ``full`` every recorded route). The hook reaches
 verl's Ray workers through verl's own extension point ``actor_rollout_ref.model.external_lib``;
 the cell's policy, budget and seed reach it as one JSON environment variable of Ray's
 ``runtime_env``. verl's ``main_ppo`` merges ``ray_kwargs.ray_init.runtime_env`` into
@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ablate.backends.verl.cpu import ROLLOUT_NAME as CPU_ROLLOUT_NAME
 from ablate.backends.verl.hook import HookSettings
 from ablate.config import ConfigError
 from ablate.overrides import hydra_string
@@ -31,6 +32,8 @@ ROLLOUT_ROUTES_KEY = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
 BYPASS_KEY = "algorithm.rollout_correction.bypass_mode"
 DYNAMIC_CP_KEY = "actor_rollout_ref.actor.megatron.dynamic_context_parallel"
 EPOCHS_KEY = "actor_rollout_ref.actor.ppo_epochs"
+#: Rollouts that return ``routed_experts``: vLLM, SGLang and the CPU rollout of ``backend=verl_cpu``.
+ROUTE_RECORDING_ROLLOUTS = ("vllm", "sglang", CPU_ROLLOUT_NAME)
 
 
 class VerlLaunchError(ConfigError):
@@ -59,15 +62,15 @@ def seed_overrides(seed: int) -> list[str]:
 
 
 def verl_overrides(settings: HookSettings) -> list[str]:
-    """Hydra overrides that make verl's ``ppo_trainer`` config run one ablation cell. Pure."""
-    overrides = seed_overrides(settings.seed)
-    fixed = settings.policy.policy_class.fixed_budget
-    if fixed == 0:  # replays nothing: verl without routing replay
-        return overrides + [f"{MODE_KEY}=disabled", f"{ROLLOUT_ROUTES_KEY}=False"]
-    overrides += [f"{MODE_KEY}=R3", f"{ROLLOUT_ROUTES_KEY}=True"]
-    if fixed == 1:  # replays every route: verl's own R3, no mask to choose
-        return overrides
-    return overrides + [
+    """Hydra overrides that make verl's ``ppo_trainer`` config run one ablation cell. Pure.
+
+    Every policy runs R3 with the hook, ``none`` (an empty mask: every route native) and ``full``
+    (every recorded route) too, so that each cell measures its routes the same way: the
+    ``routing/`` keys of ``none`` are the mismatch replay starts from, and ``full``'s residual
+    mismatch shows that replay reached every route.
+    """
+    return seed_overrides(settings.seed) + [
+        f"{MODE_KEY}=R3", f"{ROLLOUT_ROUTES_KEY}=True",
         f"actor_rollout_ref.model.external_lib={WORKER_MODULE}",
         f"{ENV_PREFIX}{HookSettings.ENV}={hydra_string(settings.to_json())}",
     ]
@@ -92,7 +95,7 @@ def check_verl(wanted: str = VERL_VERSION) -> str:
 def check_cell_config(config, policy: str, plugins: Sequence[str] = ()) -> None:
     """Reject a composed verl config that cannot run ``policy`` as ablate means it.
 
-    Replay needs the Megatron engine and routes recorded by a vLLM or SGLang rollout. The hook
+    Replay needs the Megatron engine and routes recorded by a vLLM, SGLang or CPU rollout. The hook
     needs verl's static micro-batching (not dynamic context parallelism). ``mismatch`` takes its
     native routes from a native pass the hook runs in the old-log-prob call, which bypass mode
     skips: with one PPO epoch every
@@ -119,12 +122,12 @@ def check_cell_config(config, policy: str, plugins: Sequence[str] = ()) -> None:
         raise VerlLaunchError(
             f"{MODE_KEY}=R3 but {ROLLOUT_ROUTES_KEY}=False: the rollout engine would return no routed_experts"
         )
-    if config.actor_rollout_ref.rollout.name not in ("vllm", "sglang"):
+    if config.actor_rollout_ref.rollout.name not in ROUTE_RECORDING_ROLLOUTS:
         raise VerlLaunchError(
-            f"actor_rollout_ref.rollout.name={config.actor_rollout_ref.rollout.name}: only vllm and sglang "
-            "return routed_experts for R3"
+            f"actor_rollout_ref.rollout.name={config.actor_rollout_ref.rollout.name}: only "
+            f"{', '.join(ROUTE_RECORDING_ROLLOUTS)} return routed_experts for R3"
         )
-    if traits.fixed_budget is not None:  # no mask of ablate's: verl's own R3 or no replay
+    if traits.fixed_budget is not None:  # a fixed mask (no route, or every route): nothing to select per micro-batch
         return
     if OmegaConf.select(config, DYNAMIC_CP_KEY, default=False):
         raise VerlLaunchError(
@@ -151,9 +154,19 @@ def compose(config_dir: str | Path, config_name: str, overrides: Sequence[str]):
     """verl's config extended by ``config_dir/config_name`` with ``overrides``, as main_ppo sees it."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.initialize import get_gh_backup, restore_gh_from_backup
 
-    with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
-        return hydra_compose(config_name=config_name, overrides=list(overrides))
+    # Inside ``python -m ablate`` Hydra's global state belongs to the running app, and
+    # initialize_config_dir refuses to start a second one: set the app's state aside for the
+    # length of this compose and give it back after, as Hydra's own initialize contexts do.
+    running_app = get_gh_backup()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
+            return hydra_compose(config_name=config_name, overrides=list(overrides))
+    finally:
+        restore_gh_from_backup(running_app)
 
 
 __all__ = [

@@ -41,6 +41,10 @@ from torch import Tensor
 ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
 #: extra columns appended to each route: replay mask, valid token, row id + 1 (0 marks padding).
 EXTRA_COLUMNS = 3
+#: Outside the schema: R3 micro-batches the hook selected a mask for in the step, reported at
+#: every step's last update call once the hook is installed (0 when verl gave it none), so that
+#: a replay that silently does nothing is seen (:mod:`ablate.backends.verl.liveness`).
+MICRO_BATCHES_KEY = "hook/micro_batches"
 
 _ACTIVE: Any = None
 _ORIGINALS: dict[str, Any] = {}
@@ -237,13 +241,27 @@ def hooked_call(hook, forward_backward_batch, engine, data, loss_function, forwa
     """
     info = call_info(engine.tf_config, data, forward_only)
     if info is None:
-        return forward_backward_batch(engine, data, loss_function, forward_only=forward_only)
+        output = forward_backward_batch(engine, data, loss_function, forward_only=forward_only)
+        if not forward_only and _is_last_update(data):  # installed, but the step gave the hook nothing to replay
+            _add_metrics(output, {MICRO_BATCHES_KEY: 0.0})
+        return output
     if hook.needs_native_pass(info):
         _framed(hook, info, forward_backward_batch, engine, data, loss_function, native_pass=True)
     output, metrics = _framed(hook, info, forward_backward_batch, engine, data, loss_function, native_pass=False)
-    if metrics and isinstance(output, dict) and "metrics" in output:
-        output["metrics"].update({key: [value] for key, value in metrics.items()})
+    if metrics:
+        _add_metrics(output, metrics)
     return output
+
+
+def _add_metrics(output, metrics: dict[str, float]) -> None:
+    if isinstance(output, dict) and "metrics" in output:
+        output["metrics"].update({key: [value] for key, value in metrics.items()})
+
+
+def _is_last_update(data) -> bool:
+    from verl.utils import tensordict_utils as tu
+
+    return bool(tu.get_non_tensor_data(data, key="update_lr_scheduler", default=False))
 
 
 def _framed(hook, info: CallInfo, forward_backward_batch, engine, data, loss_function, *, native_pass: bool):
@@ -313,10 +331,15 @@ def install_in_actor(make_hook: Callable[[], Any]) -> None:
 
         module.MegatronEngine.__init__ = __init__
 
-    if ENGINE_MODULE in sys.modules:
-        wrap(sys.modules[ENGINE_MODULE])
+    when_imported(ENGINE_MODULE, wrap)
+
+
+def when_imported(name: str, callback: Callable[[Any], None]) -> None:
+    """``callback(module)`` now if ``name`` is imported, else right after whoever imports it does."""
+    if name in sys.modules:
+        callback(sys.modules[name])
     else:
-        sys.meta_path.insert(0, _AfterImport(ENGINE_MODULE, wrap))
+        sys.meta_path.insert(0, _AfterImport(name, callback))
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

@@ -1,0 +1,35 @@
+"""The CPU end-to-end tier: verl 0.9.1's real main_ppo run by ``python -m ablate backend=verl_cpu``.
+
+Every test here starts verl, Ray and the Megatron workers; they share one set of assets (the
+tiny model, tokenizer and prompts, made once per session) and one store of policy cells.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cpu_cells import BUDGET, POLICIES, run_ablate
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory) -> Path:
+    from ablate.backends.verl.cpu import assets as cpu_assets
+
+    folder = tmp_path_factory.mktemp("verl-cpu-assets")
+    cpu_assets.ensure(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def policy_store(tmp_path_factory, assets) -> Path:
+    """One multirun of the six policies at budget 0.5, seed 0, into the store's sweep ``cpu``."""
+    store = tmp_path_factory.mktemp("cpu-policies") / "runs"
+    store.mkdir()
+    done, seconds = run_ablate(store, assets, "-m", f"policy={','.join(POLICIES)}", f"budget={BUDGET}", "seed=0",
+                               "sweep=cpu", "tracking.mode=offline")
+    print(f"\n{len(POLICIES)} verl CPU cells in one multirun: {seconds:.0f} s wall")
+    assert done.returncode == 0, (done.stdout[-4000:], done.stderr[-4000:])
+    assert f"sweep cpu: {len(POLICIES)} complete, 0 failed, 0 skipped" in done.stdout + done.stderr
+    return store

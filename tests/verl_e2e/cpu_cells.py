@@ -1,0 +1,40 @@
+"""What the CPU end-to-end tests share: the policies they run and the command as a user types it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+POLICIES = ("none", "full", "random", "uniform", "fisher", "mismatch")
+BUDGET = 0.5
+CELLS = {"none": "none-s0", "full": "full-s0", **{p: f"{p}-b{BUDGET}-s0" for p in POLICIES[2:]}}
+
+
+def needs_verl_runtime() -> None:
+    pytest.importorskip("verl.protocol", reason="verl 0.9.1 is not installed here: build it with .ci/verl-env.sh")
+    pytest.importorskip("transfer_queue", reason="verl's runtime packages are missing: run .ci/verl-env.sh")
+
+
+def cell_dir(sweep: Path, name: str) -> Path:
+    """The folder of the cell called ``name`` (``random-b0.5-s0``): the name plus its id's hash."""
+    found = [path for path in sweep.glob(f"{name}-*") if path.name.rsplit("-", 1)[0] == name]
+    assert len(found) == 1, (name, sorted(path.name for path in sweep.iterdir()))
+    return found[0]
+
+
+def ablate_command(store: Path, assets: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "ablate", "backend=verl_cpu", f"store_dir={store}",
+            f"backend.cpu.assets_dir={assets}", "tracking.progress=false", *args]
+
+
+def run_ablate(store: Path, assets: Path, *args: str, timeout: float = 1200) -> tuple[subprocess.CompletedProcess, float]:
+    """The command as a user types it, and its wall-clock seconds."""
+    started = time.monotonic()
+    done = subprocess.run(ablate_command(store, assets, *args), capture_output=True, text=True, timeout=timeout,
+                          cwd=store.parent, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    return done, time.monotonic() - started

@@ -1,0 +1,97 @@
+"""Every policy as a complete verl cell on the CPU, read back from the run store and the W&B run.
+
+One multirun runs the six policies at budget 0.5 (seed 0) through verl's real ``main_ppo``:
+Ray, the Megatron actor with R3 on gloo, the CPU rollout with noisy routers, the worker hook.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from cpu_cells import BUDGET, CELLS, POLICIES, cell_dir, needs_verl_runtime
+
+needs_verl_runtime()
+pytestmark = [pytest.mark.slow, pytest.mark.verl]
+
+STEPS = 3
+#: What every verl cell's steps carry, defined (not NaN) on every step with recorded routes.
+ALWAYS = ("replay/budget_requested", "replay/budget_realized", "replay/valid_routes", "replay/replayed_routes",
+          "replay/unrecorded_routes", "replay/fisher_fallback", "routing/route_mismatch_rate",
+          "routing/token_mismatch_rate", "routing/topk_overlap", "routing/residual_mismatch_rate",
+          "mismatch/kl_k1", "mismatch/kl_k2", "mismatch/kl_k3", "mismatch/extreme_token_frac",
+          "mismatch/abs_logratio_mean", "mismatch/abs_logratio_max", "train/reward", "train/loss")
+#: Defined where something was replayed (override_rate, effective budget), mismatched (recall) or
+#: estimated (Fisher mass, from the fisher policy's second step on).
+WHERE_DEFINED = ("replay/override_rate", "replay/effective_budget", "routing/mismatch_recall",
+                 "replay/fisher_mass", "replay/fisher_nonfinite")
+
+
+def records(store, policy) -> pd.DataFrame:
+    from ablate.store import read_records
+
+    return read_records(cell_dir(store / "cpu", CELLS[policy]))
+
+
+def test_every_policy_completes_with_every_key_from_the_store_and_the_wandb_run(policy_store):
+    from ablate.store import read_json
+    from ablate.tracking import find_offline_runs, history_frame, read_offline_run
+
+    for policy in POLICIES:
+        cell = cell_dir(policy_store / "cpu", CELLS[policy])
+        assert read_json(cell / "status.json")["status"] == "complete", policy
+        frame = records(policy_store, policy)
+        assert list(frame["step"]) == list(range(1, STEPS + 1)), policy
+        missing = [key for key in (*ALWAYS, *WHERE_DEFINED) if key not in frame]
+        assert not missing, (policy, missing)
+        undefined = {key: frame[key].tolist() for key in ALWAYS if frame[key].isna().any()}
+        assert not undefined, (policy, undefined)
+        history = history_frame(read_offline_run(find_offline_runs(cell / "wandb")[0]))
+        for key in ALWAYS:
+            assert history[key].tolist() == pytest.approx(frame[key].tolist(), rel=1e-12), (policy, key)
+
+
+def test_replayed_routes_are_the_budgets_count_of_the_recorded_routes(policy_store):
+    from ablate.budget import count_for
+
+    for policy in POLICIES:
+        frame = records(policy_store, policy)
+        budget = {"none": 0.0, "full": 1.0}.get(policy, BUDGET)
+        assert (frame["replay/valid_routes"] > 0).all(), policy
+        # Each micro-batch replays count_for(budget, its routes); with 2 MoE layers every micro-batch has an
+        # even number of routes, so at 0.5 the step's sum is exactly the count of the step's routes.
+        expected = [count_for(budget, int(valid)) for valid in frame["replay/valid_routes"]]
+        assert frame["replay/replayed_routes"].astype(int).tolist() == expected, policy
+        assert frame["replay/budget_requested"].tolist() == [budget] * STEPS, policy
+
+
+def test_routes_disagree_and_replay_fixes_them(policy_store):
+    none, full = records(policy_store, "none"), records(policy_store, "full")
+    assert (none["routing/route_mismatch_rate"] > 0).all()  # the CPU rollout's noisy routers disagree
+    assert (none["routing/residual_mismatch_rate"] == none["routing/route_mismatch_rate"]).all()
+    assert (full["routing/residual_mismatch_rate"] == 0).all()
+    assert (full["replay/override_rate"] > 0).all()
+    assert full["mismatch/kl_k3"].mean() < none["mismatch/kl_k3"].mean()
+    for policy in ("random", "uniform", "fisher", "mismatch"):
+        frame = records(policy_store, policy)
+        assert (frame["routing/residual_mismatch_rate"] < frame["routing/route_mismatch_rate"]).all(), policy
+
+
+def test_mismatch_selects_on_the_native_routes_of_its_native_pass(policy_store):
+    mismatch, random = records(policy_store, "mismatch"), records(policy_store, "random")
+    # With its native pass, mismatch replays every mismatched route first: all of them when they fit the budget.
+    fits = mismatch["routing/route_mismatch_rate"] <= mismatch["replay/budget_realized"]
+    assert fits.all()
+    assert (mismatch["routing/mismatch_recall"] == 1).all()
+    assert (mismatch["routing/residual_mismatch_rate"] == 0).all()
+    assert (random["routing/mismatch_recall"] < 1).any()
+
+
+def test_fisher_falls_back_on_its_first_step_only(policy_store):
+    fisher = records(policy_store, "fisher")
+    assert fisher["replay/fisher_fallback"].tolist() == [1.0] + [0.0] * (STEPS - 1)
+    assert math.isnan(fisher["replay/fisher_mass"].iloc[0])
+    assert (fisher["replay/fisher_mass"].iloc[1:] > 0).all()
+    assert (fisher["replay/fisher_mass"].iloc[1:] <= 1).all()
