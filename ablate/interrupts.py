@@ -43,17 +43,23 @@ class Interrupted(KeyboardInterrupt):
 
 
 def as_interrupted(error: KeyboardInterrupt) -> Interrupted:
-    """Python's own Ctrl-C (raised before a handler was installed) as an :class:`Interrupted`."""
-    return error if isinstance(error, Interrupted) else Interrupted(signal.SIGINT)
+    """A ``KeyboardInterrupt`` as an :class:`Interrupted`, with the signal that caused it.
+
+    A plain ``KeyboardInterrupt`` is Python's own Ctrl-C (raised before a handler was installed),
+    or one a library raised in place of ours (Ray's ``ray.wait`` turns any exception of a signal
+    handler into a ``KeyboardInterrupt``): the signal the handler received, if any, says which.
+    """
+    return error if isinstance(error, Interrupted) else Interrupted(_state["received"] or signal.SIGINT)
 
 
-_state = {"depth": 0, "stopping": False}
+_state = {"depth": 0, "stopping": False, "received": 0}
 
 
 def _raise(signum: int, frame: FrameType | None) -> None:
     if _state["stopping"]:  # the first signal wins; the cleanup it started must not be cut short
         return
     _state["stopping"] = True
+    _state["received"] = signum
     raise Interrupted(signum)
 
 
@@ -70,6 +76,8 @@ def signals_interrupt() -> Iterator[None]:
     previous = {signum: signal.getsignal(signum) for signum in HANDLED}
     for signum in HANDLED:
         signal.signal(signum, _raise)
+    if _state["depth"] == 0:
+        _state["received"] = 0
     _state["depth"] += 1
     try:
         yield
