@@ -21,6 +21,7 @@ from ablate.config import AppConfig, BackendConfig, ConfigError, FisherEstimateC
 from ablate.diagnostics import SCHEMA_VERSION
 from ablate.fisher import FisherTracker
 from ablate.policies import PolicySpec, ReplayPolicy, available_policies, get_policy
+from ablate.probes import Probe, check_probe_every, parse_probes, probe_table
 
 #: Top-level config keys that never change what a cell computes.
 NOT_IDENTITY = ("tracking", "store_dir", "sweep", "objective", "hydra")
@@ -45,6 +46,9 @@ class Cell:
     #: Non-default policy settings, e.g. ``tau=1,fisher.estimator=expert_params`` ("" for defaults):
     #: with the policy it names the arm a cell belongs to in an analysis.
     variant: str = ""
+    #: Counterfactual probes scored every ``probe_every`` steps (``ablate.probes``); none by default.
+    probes: tuple[Probe, ...] = ()
+    probe_every: int = 1
 
     @property
     def dirname(self) -> str:
@@ -123,6 +127,7 @@ def cell_from_config(cfg: DictConfig) -> Cell:
         backend=backend, policy=name, policy_settings=settings, fisher=fisher, budget=budget, seed=int(cfg.seed),
         sweep=str(cfg.sweep), cell_id=cell_id, trial=cfg.get("trial"), variant=variant,
         name=cell_name(name, budget, int(cfg.seed), cfg.get("trial"), variant),
+        probes=parse_probes(resolved["probes"]), probe_every=resolved["probe_every"],
     )
 
 
@@ -151,6 +156,9 @@ def resolved_config(cfg: DictConfig) -> dict[str, Any]:
     plain.pop("hydra", None)
     plain["budget"] = resolved_budget(cfg)
     plain["schema_version"] = SCHEMA_VERSION
+    # The probe table in canonical form: the same probes written either way are the same cell.
+    plain["probes"] = probe_table(parse_probes(plain.get("probes")))
+    plain["probe_every"] = check_probe_every(plain.get("probe_every", 1))
     return plain
 
 
