@@ -77,6 +77,13 @@ def test_bad_probe_fails_from_the_command_line_before_any_work(tmp_path):
     assert "probe_every=0: expected an integer >= 1" in done.stderr and "Traceback" not in done.stderr
 
 
+def test_a_backend_that_scores_no_probes_refuses_them():
+    cfg = compose_config("backend=noop", "policy=none", "probes=[none,random@0.5]", tiny=False)
+    with pytest.raises(ConfigError, match=r"probes=\['none', 'random@0.5'\] with backend=noop: expected no probes"):
+        cell_from_config(cfg)
+    assert cell_from_config(compose_config("backend=noop", "policy=none", tiny=False)).probes == ()
+
+
 def test_probe_keys_are_validated_like_schema_keys():
     assert split_probe_key("probe/fisher@0.25:tau=1/mismatch/kl_k3") == ("fisher@0.25:tau=1", "mismatch/kl_k3")
     assert split_probe_key("mismatch/kl_k3") is None

@@ -14,6 +14,11 @@ BACKENDS = {
 }
 
 
+#: Backends that score counterfactual probes (docs/probes.md); a cell with probes on another fails
+#: as a bad config rather than run without them.
+PROBE_BACKENDS = ("synthetic",)
+
+
 #: backend name -> "module:function" with signature ``preflight(cell) -> str``, for backends that
 #: launch another program: checks the launch the cell would make and returns its command. The
 #: runner calls it before the cell's directory is written, so a launch that cannot work (verl
