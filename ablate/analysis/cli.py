@@ -113,6 +113,9 @@ def _analyse(args: argparse.Namespace, where: dict[str, Any]) -> int:
         return _analyse_probes(args, where, directory)
     out = args.out or directory / "analysis"
     outcomes = args.outcome or ["final_reward"]
+    wrong = [name for name in outcomes if name not in OUTCOME_NAMES]
+    if wrong:
+        raise ValueError(f"--outcome {wrong[0]} is a probe outcome: add --probes, or use one of {', '.join(OUTCOME_NAMES)}")
     on_corrupt = "exclude" if args.skip_corrupt else "error"
     with warnings.catch_warnings():
         # load_runs also logs the exclusion; the CLI prints it once, below, in its own words.
