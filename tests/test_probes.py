@@ -68,12 +68,12 @@ def test_bad_probes_are_one_clear_error(entries, message):
 @pytest.mark.slow
 def test_bad_probe_fails_from_the_command_line_before_any_work(tmp_path):
     done = subprocess.run([sys.executable, "-m", "ablate", "policy=none", "probes=[random]", f"store_dir={tmp_path}",
-                           "tracking.mode=disabled"], capture_output=True, text=True, timeout=120)
+                           "tracking.mode=disabled"], capture_output=True, text=True, timeout=600)
     assert done.returncode != 0
     assert "probes[0]=random: expected a budget" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "adhoc").exists()
     done = subprocess.run([sys.executable, "-m", "ablate", "policy=none", "probe_every=0", f"store_dir={tmp_path}",
-                           "tracking.mode=disabled"], capture_output=True, text=True, timeout=120)
+                           "tracking.mode=disabled"], capture_output=True, text=True, timeout=600)
     assert "probe_every=0: expected an integer >= 1" in done.stderr and "Traceback" not in done.stderr
 
 
