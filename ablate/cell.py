@@ -17,11 +17,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from ablate.analysis.outcomes import check_objective
 from ablate.arms import arm_name
+from ablate.backends import PROBE_BACKENDS
 from ablate.budget import budget_label, check_budget
 from ablate.config import AppConfig, BackendConfig, ConfigError, FisherEstimateConfig, choice_value
 from ablate.diagnostics import SCHEMA_VERSION
 from ablate.fisher import FisherTracker
 from ablate.policies import PolicyError, PolicySpec, ReplayPolicy, get_policy, load_plugins, policy_class
+from ablate.probes import Probe, check_probe_every, parse_probes, probe_table
 
 #: Top-level config keys that never change what a cell computes (``plugins`` says where a policy's
 #: code is found; the policy's name and settings are what the cell computes with).
@@ -49,6 +51,9 @@ class Cell:
     variant: str = ""
     #: Modules imported before the policy is looked up (the config's ``plugins``).
     plugins: tuple[str, ...] = ()
+    #: Counterfactual probes scored every ``probe_every`` steps (``ablate.probes``); none by default.
+    probes: tuple[Probe, ...] = ()
+    probe_every: int = 1
 
     @property
     def dirname(self) -> str:
@@ -120,6 +125,9 @@ def cell_from_config(cfg: DictConfig) -> Cell:
         get_policy(name, **settings)  # checks the settings now rather than in the middle of a run
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    if resolved["probes"] and app.backend.name not in PROBE_BACKENDS:
+        raise ConfigError(f"probes={[row['id'] for row in resolved['probes']]} with backend={app.backend.name}: "
+                          f"expected no probes (only {', '.join(PROBE_BACKENDS)} scores them so far)")
     identity = {k: v for k, v in resolved.items() if k not in NOT_IDENTITY}
     cell_id = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
     backend, fisher = app.backend, app.policy.fisher
@@ -129,6 +137,7 @@ def cell_from_config(cfg: DictConfig) -> Cell:
         backend=backend, policy=name, policy_settings=settings, fisher=fisher, budget=budget, seed=int(cfg.seed),
         sweep=str(cfg.sweep), cell_id=cell_id, trial=cfg.get("trial"), variant=variant, plugins=plugins,
         name=cell_name(name, budget, int(cfg.seed), cfg.get("trial"), variant),
+        probes=parse_probes(resolved["probes"]), probe_every=resolved["probe_every"],
     )
 
 
@@ -158,6 +167,9 @@ def resolved_config(cfg: DictConfig) -> dict[str, Any]:
     plain.pop("hydra", None)
     plain["budget"] = resolved_budget(cfg)
     plain["schema_version"] = SCHEMA_VERSION
+    # The probe table in canonical form: the same probes written either way are the same cell.
+    plain["probes"] = probe_table(parse_probes(plain.get("probes")))
+    plain["probe_every"] = check_probe_every(plain.get("probe_every", 1))
     return plain
 
 

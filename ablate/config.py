@@ -377,6 +377,13 @@ class AppConfig:
     #: of your own whose package is not installed (``plugins=[my_policies]``). An installed package
     #: needs no entry here: its entry point (group ``ablate.policies``) is found by itself.
     plugins: list[str] = field(default_factory=list)
+    #: Counterfactual replay probes scored on probed steps (docs/probes.md): ``random@0.25``,
+    #: ``fisher@0.25:tau=1.0`` or ``{policy, budget, settings}``; checked by ``ablate.probes``.
+    #: ``Any``: OmegaConf 2.3 has no list of Union[str, dict].
+    probes: Any = field(default_factory=list)
+    #: Probe every N-th step (steps 0, N, 2N, ...). The default keeps six probes within 10% of a
+    #: synthetic cell's time (bench/bench_probes.py).
+    probe_every: int = 10
 
     def check(self) -> None:
         """Every section and every top-level value (the budget is checked with its policy, the

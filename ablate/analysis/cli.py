@@ -30,6 +30,7 @@ from ablate.analysis.dropped import dropped_line
 from ablate.analysis.flags import flag_policies
 from ablate.analysis.load import CorruptCellError, ExcludedCellsWarning, load_runs, parse_where, sweep_dir
 from ablate.analysis.outcomes import OUTCOME_NAMES
+from ablate.analysis.probes import PROBE_OUTCOMES, across_cells, step_effects, within_run
 from ablate.analysis.stats import ADJUSTMENTS, CI_METHODS, min_achievable_pvalue
 from ablate.analysis.tables import arm_keys, effects, summarize
 from ablate.store import StoreError, atomic_write, make_directory
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--store", default="runs", help="run store root used when SWEEP is a name (default: runs)")
     parser.add_argument("--out", type=Path, help="output folder (default: <sweep_dir>/analysis)")
     parser.add_argument(
-        "--outcome", action="append", choices=OUTCOME_NAMES, metavar="NAME",
+        "--outcome", action="append", choices=sorted({*OUTCOME_NAMES, *PROBE_OUTCOMES}), metavar="NAME",
         help=f"outcome to analyse, repeatable (default: final_reward); one of {', '.join(OUTCOME_NAMES)}",
     )
     parser.add_argument("--where", action="append", default=[], metavar="KEY=VALUE",
@@ -68,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="multiple-comparison adjustment within each outcome's family: holm (default, "
                              "family-wise error), bh (false discovery rate) or none")
     parser.add_argument("--seed", type=int, default=0, help="seed of the bootstrap generators (default: 0)")
+    parser.add_argument("--probes", action="store_true",
+                        help="analyse the cells' counterfactual probes instead (docs/probes.md): per-cell effects over "
+                             "probed steps (conditional on each trajectory) and effects across cells, paired by seed; "
+                             f"--outcome one of {', '.join(PROBE_OUTCOMES)} (default: kl_k3_mean)")
     parser.add_argument("--no-plots", action="store_true", help="write tables and effects only")
     parser.add_argument("--skip-corrupt", action="store_true", help="exclude (and list) unreadable cells instead of failing")
     parser.add_argument("--dashboard", action="store_true",
@@ -106,8 +111,13 @@ def _sweep_dir(args: argparse.Namespace) -> Path:
 def _analyse(args: argparse.Namespace, where: dict[str, Any]) -> int:
     comparisons = [parse_comparison(text) for text in args.compare]  # a typo fails before any work
     directory = _sweep_dir(args)
+    if args.probes:
+        return _analyse_probes(args, where, directory)
     out = args.out or directory / "analysis"
     outcomes = args.outcome or ["final_reward"]
+    wrong = [name for name in outcomes if name not in OUTCOME_NAMES]
+    if wrong:
+        raise ValueError(f"--outcome {wrong[0]} is a probe outcome: add --probes, or use one of {', '.join(OUTCOME_NAMES)}")
     on_corrupt = "exclude" if args.skip_corrupt else "error"
     with warnings.catch_warnings():
         # load_runs also logs the exclusion; the CLI prints it once, below, in its own words.
@@ -167,6 +177,42 @@ def _analyse(args: argparse.Namespace, where: dict[str, Any]) -> int:
     if args.dashboard:
         _dashboard(args, directory.name, summaries[outcomes[0]], keys, out)
     print(f"\nwrote tables, effects{'' if plots is None else ' and plots'} to {out}")
+    return 0
+
+
+def _analyse_probes(args: argparse.Namespace, where: dict[str, Any], directory: Path) -> int:
+    """``--probes``: per-step probe effects, their per-cell means (HAC) and effects across cells."""
+    outcomes = args.outcome or ["kl_k3_mean"]
+    wrong = [name for name in outcomes if name not in PROBE_OUTCOMES]
+    if wrong:
+        raise ValueError(f"--outcome {wrong[0]} with --probes: expected one of {', '.join(PROBE_OUTCOMES)}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExcludedCellsWarning)
+        steps = load_runs(directory, per_step=True, on_corrupt="exclude" if args.skip_corrupt else "error", where=where)
+    table = steps.attrs["probes"]
+    print(f"sweep {directory}: {steps['cell_id'].nunique() if not steps.empty else 0} complete cells, "
+          f"{len(table)} probes: {', '.join(table) or '-'}")
+    if not table:
+        print("ablate-analyze: no cell of this sweep has probes (set probes=[...] when running it)", file=sys.stderr)
+        return 1
+    out = args.out or directory / "analysis"
+    out.mkdir(parents=True, exist_ok=True)
+    for outcome in outcomes:
+        per_step = step_effects(steps, table, PROBE_OUTCOMES[outcome])
+        runs = within_run(per_step, level=args.level)
+        across = across_cells(steps, table, outcome, level=args.level, reps=args.reps, seed=args.seed,
+                              method=args.ci, min_seeds=args.min_seeds, adjust=args.adjust)
+        per_step.to_csv(out / f"probe_steps_{outcome}.csv", index=False)
+        export_table(runs, out / f"probe_within_run_{outcome}", formats=("csv", "md"))
+        export_table(across, out / f"probe_effects_{outcome}", formats=("csv", "md"))
+        print(f"\n## probe effects on {outcome}, per cell: mean over its probed steps, {args.level:.0%} HAC interval, "
+              "conditional on that cell's trajectory\n")
+        print(to_markdown(runs.drop(columns=["cell_id", "note"])))
+        print(f"\n## probe effects on {outcome} across cells (per-cell means over probed steps, paired by seed)\n")
+        print(_effects_legend(across))
+        print()
+        print(to_markdown(across))
+    print(f"\nwrote probe tables to {out}")
     return 0
 
 

@@ -144,6 +144,7 @@ def load_runs(
     frame.attrs["policy_settings"] = [] if per_step else policy_settings
     frame.attrs["determined_keys"] = determined
     frame.attrs["where"] = {key: _plain(value) for key, value in (where or {}).items()}
+    frame.attrs["probes"] = _probe_table(cells)
     _report_excluded(excluded, corrupt, str(path))
     _report_schema_versions(cells, str(path))
     return frame
@@ -350,6 +351,15 @@ def _read_store(sweep_path: Path, on_corrupt: str) -> tuple[list[_LoadedCell], d
         }
         cells.append(_LoadedCell(_with_arm(meta), config, records))
     return cells, excluded, corrupt
+
+
+def _probe_table(cells: list[_LoadedCell]) -> dict[str, dict[str, Any]]:
+    """The probe tables of the cells' configs (ablate.probes), merged by probe id: one id names one probe."""
+    table: dict[str, dict[str, Any]] = {}
+    for cell in cells:
+        for row in cell.config.get("probes") or []:
+            table.setdefault(str(row["id"]), dict(row))
+    return table
 
 
 def _version(value: Any) -> str | None:

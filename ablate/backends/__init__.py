@@ -72,6 +72,11 @@ BACKENDS = {
 _entry_points_loaded = False
 
 
+#: Backends that score counterfactual probes (docs/probes.md); a cell with probes on another fails
+#: as a bad config rather than run without them.
+PROBE_BACKENDS = ("synthetic",)
+
+
 def _installed() -> dict[str, str]:
     global _entry_points_loaded
     if not _entry_points_loaded:

@@ -27,7 +27,10 @@ It reproduces the mechanisms that make routing replay matter, not the numbers of
    Hooks keep per-token gradients for the Fisher tracker.
 
 Each step emits one diagnostics record with every key of the schema. The ``mismatch/`` and
-``routing/`` keys compare the rollout with the trainer's replayed old-log-prob pass.
+``routing/`` keys compare the rollout with the trainer's replayed old-log-prob pass. On a probed
+step (``probes``, ``probe_every``: docs/probes.md) each probe's mask is scored by one more
+forward-only pass of the same weights on the same batch, between the old-log-prob pass and the
+update; it draws from its own generator and touches nothing the update reads.
 """
 
 from __future__ import annotations
@@ -46,8 +49,10 @@ from ablate.backends import Backend, RunContext
 from ablate.budget import check_budget
 from ablate.cell import Cell, policy_for
 from ablate.config import SyntheticConfig, choice_value
-from ablate.diagnostics import mismatch_metrics, route_diagnostics
-from ablate.fisher import GradientCapture, expert_output_sq_grads, linear_param_sq_grads, router_logit_sq_grads
+from ablate.diagnostics import mismatch_metrics, replay_metrics, route_diagnostics
+from ablate.fisher import FisherTracker, GradientCapture, expert_output_sq_grads, linear_param_sq_grads, router_logit_sq_grads
+from ablate.policies import PolicySpec, ReplayPolicy
+from ablate.probes import Probe, is_probed, probe_generator, probe_record
 from ablate.routes import Routes, native_margin
 
 # --- the task ----------------------------------------------------------------------------
@@ -383,8 +388,57 @@ def relative_drift(params: list[Tensor], initial: list[Tensor]) -> float:
     return delta / max(math.sqrt(sum(float(p0.square().sum()) for p0 in initial)), 1e-12)
 
 
-def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]) -> None:
-    """Train one cell for ``cfg.steps`` steps, calling ``log_step(step, record)`` after each."""
+@dataclass
+class StepBatch:
+    """What a probe pass needs of one step: the batch, its routes and the rollout's log-probs."""
+
+    inputs: Tensor  # [B, S]
+    targets: Tensor  # [B, S]
+    response: slice
+    rollout_routes: Tensor  # [B * S, layers, k]
+    valid: Tensor  # [B * S]
+    offsets: Tensor
+    rollout_log_probs: Tensor  # [B, R]
+
+
+def probe_policies(cell: Cell, fisher: FisherTracker) -> list[tuple[Probe, ReplayPolicy]]:
+    """Each probe's own policy object; a ``fisher`` probe reads the cell's Fisher estimate."""
+    return [(probe, PolicySpec(probe.policy, dict(probe.settings)).policy_reading(fisher)) for probe in cell.probes]
+
+
+@torch.no_grad()
+def score_probes(
+    model: MoEPolicy, batch: StepBatch, probes: list[tuple[Probe, ReplayPolicy]], native: Tensor | None,
+    *, seed: int, step: int, num_experts: int, extreme_threshold: float,
+) -> dict[str, float]:
+    """One forward-only pass per probe mask on the step's batch: its ``probe/<id>/`` keys.
+
+    ``native`` is the step's native routes when the cell already computed them (``mismatch``);
+    otherwise one native pass is run here, only if a probe selects on native routes. The replay
+    keys compare each mask with the native routes of its own pass, as the cell's keys do.
+    """
+    record: dict[str, float] = {}
+    every_token = torch.ones_like(batch.rollout_log_probs, dtype=torch.bool)
+    for probe, policy in probes:
+        if policy.needs_native_routes and native is None:
+            native = model(batch.inputs)[2]
+        routes = Routes(rollout=batch.rollout_routes, valid=batch.valid, num_experts=num_experts,
+                        offsets=batch.offsets, native=native if policy.needs_native_routes else None)
+        mask = policy.select(routes, probe.budget, generator=probe_generator(seed, step, probe.id))
+        logits, _, native_in_probe = model(batch.inputs, replay=Replay(batch.rollout_routes, mask))
+        logp = token_log_probs(logits, batch.targets)[:, batch.response]
+        metrics = mismatch_metrics(logp, batch.rollout_log_probs, every_token, extreme_threshold=extreme_threshold)
+        scored = Routes(rollout=batch.rollout_routes, valid=batch.valid, num_experts=num_experts, native=native_in_probe)
+        metrics.update(replay_metrics(scored, mask, probe.budget))
+        record.update(probe_record(probe.id, metrics))
+    return record
+
+
+def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]) -> MoEPolicy:
+    """Train one cell for ``cfg.steps`` steps, calling ``log_step(step, record)`` after each.
+
+    Returns the trained model: probed and unprobed runs of a seed end with the same weights.
+    """
     cfg = BACKEND.config_of(cell)
     cfg.check()
     policy, fisher = policy_for(cell, cfg.layers, cfg.experts)
@@ -411,6 +465,7 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
     response = slice(prompt_len - 1, seq_len)  # positions whose next token is a response token
     needs_native = policy.needs_native_routes
     estimator = choice_value(cell.fisher.estimator)
+    probes = probe_policies(cell, fisher)
 
     for step in range(cfg.steps):
         batch = sample_prompts(cfg, streams["prompts"])
@@ -441,6 +496,13 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
                 logp_old = token_log_probs(native_pass[0], targets)[:, response]
             response_log_probs = replayed_logits[:, response].log_softmax(-1)
             entropy = -(response_log_probs.exp() * response_log_probs).sum(-1).mean()
+        probed: dict[str, float] = {}
+        if probes and is_probed(step, cell.probe_every):
+            probed = score_probes(
+                model, StepBatch(inputs, targets, response, flat_rollout, valid, offsets, rollout.log_probs), probes,
+                None if native_pass is None else native_pass[2], seed=cell.seed, step=step, num_experts=cfg.experts,
+                extreme_threshold=cfg.extreme_threshold,
+            )
 
         correction: dict[str, float] = {"train/is_weight_mean": math.nan, "train/is_truncated_frac": math.nan}
         weights = None
@@ -497,7 +559,9 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
             "train/task_shifted": float(shifted),
             "train/entropy": float(entropy),
         })
+        record.update(probed)
         log_step(step, record)
+    return model
 
 
 def run(cell: Cell, context: RunContext) -> None:

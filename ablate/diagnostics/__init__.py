@@ -12,6 +12,7 @@ from ablate.diagnostics.metrics import (
     routing_metrics,
 )
 from ablate.diagnostics.schema import (
+    PROBE_KEYS,
     SCHEMA,
     SCHEMA_VERSION,
     SECTIONS,
@@ -19,11 +20,14 @@ from ablate.diagnostics.schema import (
     SchemaError,
     check_record,
     keys_in,
+    probe_key,
+    split_probe_key,
     to_json_schema,
     validate_record,
 )
 
 __all__ = [
+    "PROBE_KEYS",
     "ROUTE_COUNTS",
     "SCHEMA",
     "SCHEMA_VERSION",
@@ -36,10 +40,12 @@ __all__ = [
     "load_metrics",
     "metrics_from_counts",
     "mismatch_metrics",
+    "probe_key",
     "replay_metrics",
     "route_counts",
     "route_diagnostics",
     "routing_metrics",
+    "split_probe_key",
     "to_json_schema",
     "validate_record",
 ]

@@ -11,13 +11,16 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
 #: 1.1 adds replay/effective_budget, replay/fisher_nonfinite, replay/unrecorded_routes and the train/ keys
 #: of the synthetic backend's PPO step (clip_frac_lower, reward_chance, task_shifted, is_weight_mean, is_truncated_frac).
-SCHEMA_VERSION = "1.1"
+#: 1.2 adds the probe families ``probe/<probe id>/<key>`` (docs/probes.md): per counterfactual probe,
+#: the ``mismatch/`` keys and replay/budget_realized, override_rate, effective_budget of its mask.
+SCHEMA_VERSION = "1.2"
 JSON_SCHEMA_PATH = Path(__file__).with_name("schema.json")
 
 Kind = Literal["fraction", "count", "nonnegative", "real", "flag"]
@@ -121,6 +124,42 @@ SCHEMA: dict[str, Key] = {key.name: key for key in _KEYS}
 SECTIONS: tuple[str, ...] = ("replay", "routing", "mismatch", "load", "drift", "train")
 
 
+#: The schema keys a probe family holds, each validated like the key itself.
+PROBE_KEYS: tuple[str, ...] = (
+    *(name for name in SCHEMA if name.startswith("mismatch/")),
+    "replay/budget_realized", "replay/override_rate", "replay/effective_budget",
+)
+#: A probe id (``ablate.probes.Probe.id``): a policy, ``@budget``, ``:key=value`` settings.
+PROBE_ID = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*(@[0-9.e+-]+)?(:[A-Za-z_][A-Za-z0-9_]*=[A-Za-z0-9_.+-]+)*")
+PROBE_PREFIX = "probe/"
+
+
+def probe_key(probe_id: str, key: str) -> str:
+    """``probe/<probe id>/<key>``, e.g. ``probe/random@0.25/mismatch/kl_k3``."""
+    return f"{PROBE_PREFIX}{probe_id}/{key}"
+
+
+def split_probe_key(name: str) -> tuple[str, str] | None:
+    """``(probe id, key)`` of a probe key, None for any other name. The key's last two parts are the key."""
+    if not name.startswith(PROBE_PREFIX):
+        return None
+    probe_id, _, key = name[len(PROBE_PREFIX):].rpartition("/")
+    probe_id, _, section = probe_id.rpartition("/")
+    return (probe_id, f"{section}/{key}") if probe_id else None
+
+
+def _probe_problems(name: str, value: Any) -> list[str] | None:
+    """Problems of a probe key, or None when ``name`` is no probe key at all."""
+    parts = split_probe_key(name)
+    if parts is None:
+        return None
+    probe_id, key = parts
+    if not PROBE_ID.fullmatch(probe_id) or key not in PROBE_KEYS:
+        return [f"unknown diagnostics key {name!r} (schema {SCHEMA_VERSION}): a probe key is probe/<probe id>/<key> "
+                f"with a key among {', '.join(PROBE_KEYS)}"]
+    return [problem.replace(key, name, 1) for problem in _check_value(SCHEMA[key], value)]
+
+
 def keys_in(section: str) -> list[str]:
     """Every key of one section, e.g. ``keys_in("routing")``."""
     if section not in SECTIONS:
@@ -137,6 +176,10 @@ def check_record(record: Mapping[str, Any], *, require: tuple[str, ...] = ()) ->
     problems = []
     for name, value in record.items():
         key = SCHEMA.get(name)
+        probe_problems = None if key is not None else _probe_problems(name, value)
+        if probe_problems is not None:
+            problems.extend(probe_problems)
+            continue
         if key is None:
             problems.append(f"unknown diagnostics key {name!r} (schema {SCHEMA_VERSION})")
             continue
@@ -196,8 +239,18 @@ def to_json_schema() -> dict[str, Any]:
         "title": f"ablate diagnostics record, schema {SCHEMA_VERSION}",
         "type": "object",
         "properties": properties,
+        "patternProperties": {_probe_pattern(key): _without_range_note(properties[key]) for key in PROBE_KEYS},
         "additionalProperties": False,
     }
+
+
+def _probe_pattern(key: str) -> str:
+    return "^" + re.escape(PROBE_PREFIX) + PROBE_ID.pattern + "/" + re.escape(key) + "$"
+
+
+def _without_range_note(prop: dict[str, Any]) -> dict[str, Any]:
+    """A probe key's JSON Schema: its schema key's, said of a probe's mask."""
+    return {**prop, "description": "of a probe's mask: " + prop["description"]}
 
 
 def write_json_schema(path: Path = JSON_SCHEMA_PATH) -> None:

@@ -47,10 +47,14 @@ class PolicySpec:
         """The policy and its Fisher tracker for a model of ``num_layers`` MoE layers."""
         normalize = self.fisher_normalize
         tracker = FisherTracker(num_layers, num_experts, decay=self.fisher_decay, normalize=normalize)  # type: ignore[arg-type]
+        return self.policy_reading(tracker), tracker
+
+    def policy_reading(self, tracker: FisherTracker) -> ReplayPolicy:
+        """The policy, reading the Fisher estimate of ``tracker`` (a probe reads its cell's)."""
         settings = dict(self.settings)
         if self.policy_class.reads_fisher:
             settings["fisher"] = tracker
-        return get_policy(self.name, **settings), tracker
+        return get_policy(self.name, **settings)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
