@@ -34,9 +34,16 @@ import numpy as np
 import pandas as pd
 
 from ablate.analysis.matched import interpolate, seed_curves
-from ablate.analysis.tables import CURVE_POLICY, EFFECTIVE_BUDGET, SELECTION_BASELINES, effects, order_policies
-from ablate.budget import FIXED_BUDGETS
+from ablate.analysis.tables import (
+    CURVE_POLICY,
+    EFFECTIVE_BUDGET,
+    FIXED_BUDGET_POLICIES,
+    SELECTION_BASELINES,
+    effects,
+    order_policies,
+)
 from ablate.diagnostics.schema import probe_key
+from ablate.policies.roles import FULL_REPLAY, NO_REPLAY
 
 #: Probe outcomes: the mean over probed steps of one probe key, named like a sweep's outcome.
 PROBE_OUTCOMES: dict[str, str] = {
@@ -61,7 +68,7 @@ def probe_arms(table: Mapping[str, Mapping[str, Any]]) -> dict[str, tuple[str, f
         name = row["policy"]
         if settings:
             name += "[" + ",".join(f"{k}={v}" for k, v in sorted(settings.items())) + "]"
-        arms[probe_id] = (name, None if row["policy"] in FIXED_BUDGETS else round(float(row["budget"]), 12))
+        arms[probe_id] = (name, None if row["policy"] in FIXED_BUDGET_POLICIES else round(float(row["budget"]), 12))
     return arms
 
 
@@ -98,17 +105,17 @@ def step_effects(steps: pd.DataFrame, table: Mapping[str, Mapping[str, Any]], ke
 
 def _effects_of_step(values: Mapping[tuple[str, float | None], tuple[float, float]], extrapolate: float):
     y = {arm: value for arm, (value, _) in values.items()}
-    if ("full", None) in y and ("none", None) in y:
-        yield "replay", "full", "none", math.nan, y[("full", None)] - y[("none", None)]
+    if (FULL_REPLAY, None) in y and (NO_REPLAY, None) in y:
+        yield "replay", FULL_REPLAY, NO_REPLAY, math.nan, y[(FULL_REPLAY, None)] - y[(NO_REPLAY, None)]
     budgeted = sorted((arm for arm in y if arm[1] is not None), key=lambda arm: (arm[0], arm[1]))
     for policy, budget in budgeted:
-        if policy == CURVE_POLICY and ("none", None) in y:
-            yield "budget", policy, "none", budget, y[(policy, budget)] - y[("none", None)]
+        if policy == CURVE_POLICY and (NO_REPLAY, None) in y:
+            yield "budget", policy, NO_REPLAY, budget, y[(policy, budget)] - y[(NO_REPLAY, None)]
         for baseline in SELECTION_BASELINES:
             if policy not in (baseline, CURVE_POLICY) and (baseline, budget) in y:
                 yield "selection", policy, baseline, budget, y[(policy, budget)] - y[(baseline, budget)]
     curve_points = [({0: values[arm][1]}, {0: values[arm][0]}) for arm in values
-                    if arm[0] == CURVE_POLICY or arm[0] in FIXED_BUDGETS]
+                    if arm[0] == CURVE_POLICY or arm[0] in FIXED_BUDGET_POLICIES]
     curve = seed_curves(curve_points).get(0)
     if curve is None or not any(arm[0] == CURVE_POLICY for arm in values):
         return
@@ -177,7 +184,7 @@ def probe_cells(steps: pd.DataFrame, table: Mapping[str, Mapping[str, Any]], out
             column = probe_key(probe_id, key)
             if column not in cell.columns:
                 continue
-            rows.append({**head, "policy": policy, "budget": FIXED_BUDGETS.get(policy, budget),
+            rows.append({**head, "policy": policy, "budget": FIXED_BUDGET_POLICIES.get(policy, budget),
                          outcome: _mean(cell[column]), EFFECTIVE_BUDGET: _mean(cell.get(probe_key(probe_id, EFFECTIVE_KEY)))})
     frame = pd.DataFrame(rows, columns=["cell_id", "seed", *context, "policy", "budget", outcome, EFFECTIVE_BUDGET])
     frame["budget"] = frame["budget"].astype(float)
