@@ -28,8 +28,11 @@ def cell_dir(sweep: Path, name: str) -> Path:
 
 
 def ablate_command(store: Path, assets: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "ablate", "backend=verl_cpu", f"store_dir={store}",
-            f"backend.cpu.assets_dir={assets}", "tracking.progress=false", *args]
+    """``python -m ablate [-m] backend=verl_cpu ... <args>``: Hydra takes ``-m`` before the overrides only."""
+    flags = [arg for arg in args if arg == "-m"]
+    overrides = [arg for arg in args if arg != "-m"]
+    return [sys.executable, "-m", "ablate", *flags, "backend=verl_cpu", f"store_dir={store}",
+            f"backend.cpu.assets_dir={assets}", "tracking.progress=false", *overrides]
 
 
 def run_ablate(store: Path, assets: Path, *args: str, timeout: float = 1200) -> tuple[subprocess.CompletedProcess, float]:

@@ -15,7 +15,7 @@ def test_a_cell_whose_hook_never_installs_fails_in_one_line(tmp_path, assets):
 
     store = tmp_path / "runs"
     done, seconds = run_ablate(store, assets, "policy=random", "budget=0.5", "seed=0", "tracking.mode=disabled",
-                               "backend.overrides=[actor_rollout_ref.model.external_lib=null]")
+                               "backend.overrides=['actor_rollout_ref.model.external_lib=null']")
     print(f"\nhook-less cell failed after {seconds:.0f} s wall")
     assert done.returncode == 1
     line = next(line for line in done.stderr.splitlines() if "failed after" in line)
