@@ -23,7 +23,7 @@ from ablate.fisher import FisherTracker
 from ablate.policies import PolicySpec, ReplayPolicy, available_policies, get_policy
 
 #: Top-level config keys that never change what a cell computes.
-NOT_IDENTITY = ("tracking", "store_dir", "sweep", "objective", "hydra")
+NOT_IDENTITY = ("tracking", "store_dir", "sweep", "objective", "hydra", "analysis")
 
 
 __all__ = ["Cell", "ConfigError", "cell_from_config", "cell_name", "policy_for", "resolved_config"]

@@ -82,7 +82,7 @@ def test_effects_recover_planted_budget_and_selection_effects_after_holm():
             assert selection.p_value < 1e-4 and selection.p_adj < 1e-3  # 30 seeds: Monte Carlo sign-flip test
             assert selection.prob_improvement > 0.5
             assert selection.n_seeds == 30 and selection.note == ""
-    assert len(table) == 1 + 3 + 6
+    assert len(table) == 1 + 3 + 6 + 3  # uniform - random too (others_vs_random, the CLI's families)
     assert table.attrs["families"] == {"per-budget": 10, "pooled": 0}
     assert (table["p_adj"] >= table["p_value"]).all()
 

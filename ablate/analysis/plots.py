@@ -127,7 +127,9 @@ def plot_selection_effects(effects_table: pd.DataFrame, path_stem: str | Path, *
         for i, (effect, policy, baseline) in enumerate(comparisons):
             sub = part[(part["effect"] == effect) & (part["policy"] == policy) & (part["baseline"] == baseline)]
             x = np.array([budgets.index(b) for b in sub["budget"]]) + (i - (len(comparisons) - 1) / 2) * width
-            errors = np.nan_to_num(np.vstack([sub["mean"] - sub["ci_low"], sub["ci_high"] - sub["mean"]]))
+            # An interval the test cannot bound (too few seeds: -inf, inf) is drawn as no bar.
+            errors = np.nan_to_num(np.vstack([sub["mean"] - sub["ci_low"], sub["ci_high"] - sub["mean"]]),
+                                   nan=0.0, posinf=0.0, neginf=0.0)
             color = policy_color(policy)
             matched = effect == "matched_selection"
             label = f"{policy} - {baseline}" + (" at its effective budget" if matched else "")
