@@ -60,7 +60,7 @@ def test_interval_levels_agree_with_adjusted_pvalues(method):
 def test_tost_shows_equivalence_only_within_the_margin():
     d = np.array([0.01, -0.02, 0.015, -0.005, 0.0, 0.02, -0.01, 0.005])
     assert tost_pvalue(d, 0.05) < 0.05  # every difference well inside +-0.05
-    assert tost_pvalue(d, 0.015) > 0.05  # the margin is inside the spread of the data
+    assert tost_pvalue(d, 0.005) > 0.3  # the margin is inside the spread of the data: no claim
     shifted = d + 0.2
     assert tost_pvalue(shifted, 0.05) > 0.5  # a real effect is never "equivalent"
 
@@ -182,3 +182,24 @@ def test_e_process_by_hand_and_its_error_under_repeated_looks():
     low, high = confidence_sequence(0.5 + rng.standard_normal(20))
     assert np.all(np.diff(low) >= 0) and np.all(np.diff(high) <= 0)
     assert low[-1] < 0.5 < high[-1] and math.isinf(low[0])
+
+
+def test_collapse_times_survival_curves_and_the_paired_logrank_test():
+    import pandas as pd
+
+    from ablate.analysis.outcomes import collapse_onset
+    from ablate.analysis.survival import kaplan_meier, paired_logrank_pvalue, time_to_collapse
+
+    reward = np.concatenate([np.linspace(0.0, 1.0, 20), np.full(30, 0.1)])
+    onset = collapse_onset(reward, 0.5, 10, 1)
+    assert onset == 20  # the first step below half the best, which stays there for 10 steps
+    records = pd.DataFrame({"step": np.arange(50) * 2, "train/reward": reward})
+    assert time_to_collapse(records, smoothing_window=1) == (40.0, True)
+    assert time_to_collapse(records.iloc[:25], smoothing_window=1) == (48.0, False)  # censored
+
+    curve = kaplan_meier(np.array([10, 20, 20, 30]), np.array([True, True, False, False]))
+    assert list(curve["survival"]) == [0.75, 0.75 * (1 - 1 / 3), 0.75 * (1 - 1 / 3)]
+    rng = np.random.default_rng(0)
+    early, never = np.full(8, 10.0), np.full(8, 100.0)
+    assert paired_logrank_pvalue(early, np.ones(8, bool), never, np.zeros(8, bool), rng=rng) == 2 / 256
+    assert paired_logrank_pvalue(never, np.zeros(8, bool), never, np.zeros(8, bool), rng=rng) == 1.0

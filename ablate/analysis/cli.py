@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--detect", action="append", default=[], metavar="OUTCOME=EFFECT",
                         help="with --plan: the seeds needed to detect this effect (outcome units) instead of "
                              "the observed one, repeatable; e.g. --detect final_reward=0.05")
+    parser.add_argument("--survival", action="store_true",
+                        help="also write survival: per arm the collapses, the median step of collapse and a paired "
+                             "permutation log-rank p against none, with Kaplan-Meier curves (collapse_survival)")
     parser.add_argument("--report", action="store_true",
                         help="also write report.html: one self-contained file (tables, plots embedded, flags, "
                              "power, a methods paragraph), readable offline; implies --plan")
@@ -139,7 +142,8 @@ def _analyse(args: argparse.Namespace, where: dict[str, Any]) -> int:
         # load_runs also logs the exclusion; the CLI prints it once, below, in its own words.
         warnings.simplefilter("ignore", ExcludedCellsWarning)
         cells = load_runs(directory, on_corrupt=on_corrupt, where=where)
-        steps = None if args.no_plots else load_runs(directory, per_step=True, on_corrupt=on_corrupt, where=where)
+        steps = (load_runs(directory, per_step=True, on_corrupt=on_corrupt, where=where)
+                 if not args.no_plots or args.survival else None)
     excluded = cells.attrs["excluded"]
     print(f"sweep {directory}: {len(cells)} complete cells; excluded: "
           + ", ".join(f"{kind}={n}" for kind, n in excluded.items()))
@@ -199,6 +203,19 @@ def _analyse(args: argparse.Namespace, where: dict[str, Any]) -> int:
     print(_flags_text(flags))
     if plots is not None and steps is not None:
         images[""] = [path for path in plots.plot_step_curves(steps, out / "steps", by=keys) if path.suffix == ".png"]
+    survival = None
+    if args.survival and steps is not None:
+        from ablate.analysis.survival import collapse_times, survival_table
+
+        times = collapse_times(steps, keys)
+        survival = survival_table(times, keys, seed=args.seed)
+        export_table(survival, out / "survival", formats=("csv", "md"))
+        print("\n## time to collapse (collapse: the collapsed outcome's rule; censored at the last step; "
+              "p: paired permutation log-rank test against none)\n")
+        print(to_markdown(survival))
+        if plots is not None:
+            images[""] += [path for path in plots.plot_collapse_survival(times, out / "collapse_survival", by=keys)
+                           if path.suffix == ".png"]
     if args.report:
         from ablate.analysis.report import write_report
 
@@ -209,7 +226,7 @@ def _analyse(args: argparse.Namespace, where: dict[str, Any]) -> int:
                                                  if where else [])
         report = write_report(out / "report.html", sweep=directory.name, design=design, summaries=summaries,
                               effect_tables=effect_tables, plans=plans, flags=flags, images=images,
-                              n_seeds=n_seeds)
+                              n_seeds=n_seeds, survival=survival)
         print(f"report: {report}")
     if args.dashboard:
         _dashboard(args, directory.name, summaries[outcomes[0]], keys, out)

@@ -148,8 +148,8 @@ def extension_command(sweep: str, seeds: int, policies: Sequence[str] = ()) -> s
     The run store skips complete cells, so only the new seeds run; limiting the policies to those
     the planned rows compare (``none,full`` for the replay effect) spends nothing on the others.
     """
-    arms = f" 'hydra.sweeper.params.policy={','.join(policies)}'" if policies else ""
-    return f"python -m ablate sweeps={sweep}{arms} 'hydra.sweeper.params.seed=range({seeds})'"
+    arms = f" policy={','.join(policies)}" if policies else ""  # a command-line axis replaces the file's
+    return f"python -m ablate sweeps={sweep}{arms} 'seed=range({seeds})'"
 
 
 def seeds_to_run(plans: Mapping[str, pd.DataFrame], rows: Mapping[str, pd.Series]) -> int | None:

@@ -82,6 +82,7 @@ def write_report(
     flags: pd.DataFrame,
     images: Mapping[str, Sequence[Path]],
     n_seeds: str,
+    survival: pd.DataFrame | None = None,
 ) -> Path:
     """Write the report of one sweep to ``path`` (one HTML file) and return it."""
     parts = [f"<h1>Sweep {html.escape(sweep)}</h1>", "<ul>"]
@@ -101,6 +102,11 @@ def write_report(
             parts.append(f'<figure><img alt="{html.escape(Path(image).stem)}" src="{image_uri(image)}">'
                          f"<figcaption>{html.escape(Path(image).stem)}</figcaption></figure>")
     parts.append("<h2>Flags</h2>" + (_table(flags) if not flags.empty else "<p>no arms to judge</p>"))
+    if survival is not None:
+        parts.append("<h2>Time to collapse</h2><p>Collapse: the collapsed outcome's rule (the smoothed reward "
+                     "stays below the collapse threshold after its best value); a run that never collapses is "
+                     "censored at its last step. p: paired permutation log-rank test against none (arms "
+                     "swapped within each seed).</p>" + _table(survival))
     for image in images.get("", ()):
         parts.append(f'<figure><img alt="{html.escape(Path(image).stem)}" src="{image_uri(image)}">'
                      f"<figcaption>{html.escape(Path(image).stem)}</figcaption></figure>")

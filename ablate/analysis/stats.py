@@ -8,7 +8,7 @@ generator in the same state gives the same interval.
 
 scipy does the resampling (``scipy.stats.bootstrap``), the Monte Carlo sign-flip test
 (``permutation_test``), Benjamini-Hochberg (``false_discovery_control``), the IQM
-(``trim_mean``) and the probability of improvement (``mannwhitneyu``). Two pieces are written
+(``trim_mean``). Two pieces are written
 here because scipy has nothing as good: the exact sign-flip test (one matrix product over all
 sign patterns, about 35x faster than ``permutation_test`` at 20 seeds, which matters for a table
 of dozens of tests) and Holm's step-down adjustment (scipy has none). scipy is imported inside
@@ -351,9 +351,11 @@ def probability_of_improvement(a: np.ndarray, b: np.ndarray, *, higher_is_better
         return math.nan
     if not higher_is_better:
         a_values, b_values = -a_values, -b_values
-    stats = require("scipy.stats", "the probability of improvement")
-    u = stats.mannwhitneyu(a_values, b_values, alternative="two-sided").statistic
-    return float(u) / (a_values.size * b_values.size)
+    # U / (n_a n_b), counted over every pair directly: the same number as scipy's mannwhitneyu
+    # statistic, without its per-call overhead (about 30x, which dominates a table of many rows).
+    wins = a_values[:, None] > b_values[None, :]
+    ties = a_values[:, None] == b_values[None, :]
+    return float(wins.mean() + 0.5 * ties.mean())
 
 
 def snap_to_zero(value: float, scale: float) -> float:
