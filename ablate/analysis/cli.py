@@ -4,12 +4,15 @@
     ablate-analyze my-sweep --store runs --outcome final_reward --outcome kl_k3_mean
     ablate-analyze runs/noise_test --where backend.steps=5 --by backend.router_noise
     python -m ablate.analysis runs/my-sweep --level 0.9 --reps 5000 --ci BCa --adjust bh --dashboard
+    ablate-analyze runs/smoke --primary replay --margin final_reward=0.05 --plan --detect final_reward=0.05 --report
 
 Writes into ``--out`` (default ``<sweep_dir>/analysis``), per outcome: ``table_<outcome>``
 (csv, parquet, md, tex), ``effects_<outcome>`` (csv, md), ``budget_response_<outcome>``,
 ``selection_effects_<outcome>`` and ``effective_budget_<outcome>`` (png, svg); once:
-``cells.csv`` (one row per cell), ``flags`` (csv, md) and ``steps`` (png, svg). Prints the
-tables as markdown and the excluded cells. Errors (no such sweep, a corrupt cell, a bad
+``cells.csv`` (one row per cell), ``flags`` (csv, md) and ``steps`` (png, svg); with ``--plan``
+``power_<outcome>`` (csv, md) and the command that extends the sweep; with ``--survival``
+``survival`` (csv, md) and ``collapse_survival`` (png, svg); with ``--report`` one self-contained
+``report.html``. Prints the tables as markdown and the excluded cells. Errors (no such sweep, a corrupt cell, a bad
 ``--where``, a missing package) are one line on stderr and exit status 1 (2 for usage).
 """
 
