@@ -26,8 +26,9 @@ from ablate.policies import PolicyError, PolicySpec, ReplayPolicy, get_policy, l
 from ablate.probes import Probe, check_probe_every, parse_probes, probe_table
 
 #: Top-level config keys that never change what a cell computes (``plugins`` says where a policy's
-#: code is found; the policy's name and settings are what the cell computes with).
-NOT_IDENTITY = ("tracking", "store_dir", "sweep", "objective", "hydra", "plugins")
+#: code is found; the policy's name and settings are what the cell computes with; ``analysis`` is
+#: read by ``ablate-analyze`` only).
+NOT_IDENTITY = ("tracking", "store_dir", "sweep", "objective", "hydra", "plugins", "analysis")
 
 
 __all__ = ["Cell", "ConfigError", "cell_from_config", "cell_name", "policy_for", "resolved_config"]

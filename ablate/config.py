@@ -357,10 +357,27 @@ MAX_SEED = 2**31 - 1
 
 
 @dataclass
+class AnalysisConfig:
+    """What the sweep asks of its analysis; read by ``ablate-analyze``, never by a cell."""
+
+    KEY: ClassVar[str] = "analysis"
+
+    #: Ordered primary questions (effect-row selectors such as ``replay`` or
+    #: ``selection:fisher:random@pooled``), tested by serial gatekeeping before the exploratory
+    #: rows; ``ablate-analyze --primary`` replaces them (docs/statistics.md).
+    primary: list[str] = field(default_factory=list)
+
+    def check(self) -> None:
+        require(all(isinstance(text, str) and text for text in self.primary), f"{self.KEY}.primary", self.primary,
+                "a list of effect-row selectors, e.g. [replay, 'selection:fisher:random@pooled']")
+
+
+@dataclass
 class AppConfig:
     backend: BackendConfig = MISSING
     policy: PolicyConfig = MISSING
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
     #: Fraction of valid routes replayed; ``null`` for none/full, which have fixed budgets.
     budget: Optional[float] = None
     seed: int = 0
@@ -396,6 +413,7 @@ class AppConfig:
         self.backend.check()
         self.policy.check()
         self.tracking.check()
+        self.analysis.check()
         require_int("seed", self.seed, 0, MAX_SEED, "2**31 - 1, the largest seed every backend's generators take")
         if self.trial is not None:
             require_int("trial", self.trial, 0)

@@ -82,8 +82,8 @@ def test_effects_recover_planted_budget_and_selection_effects_after_holm():
             assert selection.p_value < 1e-4 and selection.p_adj < 1e-3  # 30 seeds: Monte Carlo sign-flip test
             assert selection.prob_improvement > 0.5
             assert selection.n_seeds == 30 and selection.note == ""
-    assert len(table) == 1 + 3 + 6
-    assert table.attrs["families"] == {"per-budget": 10, "pooled": 0}
+    assert len(table) == 1 + 3 + 6 + 3  # uniform - random too (others_vs_random, the CLI's families)
+    assert table.attrs["families"] == {"exploratory per-budget": 13}
     assert (table["p_adj"] >= table["p_value"]).all()
 
 
@@ -100,7 +100,7 @@ def test_holm_keeps_the_family_wise_false_positive_rate_at_its_level():
         # min_seeds above the seed count: no bootstrap, only the tests are needed here.
         table = effects(df, seed=i, others_vs_random=True, comparisons=[("mismatch", "fisher")],
                         min_seeds=n_seeds + 1, pooled=False, matched=False)
-        assert table.attrs["families"]["per-budget"] == family
+        assert table.attrs["families"]["exploratory per-budget"] == family
         any_raw += bool((table["p_value"] <= alpha).any())
         any_holm += bool((table["p_adj"] <= alpha).any())
         any_bh += bool((adjust_pvalues(table["p_value"].to_numpy(), "bh") <= alpha).any())
@@ -121,7 +121,7 @@ def test_pooled_test_makes_one_claim_across_budgets():
     assert "pooled over budgets 0.05, 0.1, 0.25, 0.5, 0.75" in pooled.note
     assert pooled.n_seeds == 8
     assert pooled.p_value == 2 / 2**8 and pooled.p_adj <= 0.05  # every seed's mean difference is positive
-    assert table.attrs["families"]["pooled"] == 3  # budget, and fisher against random and uniform
+    assert table.attrs["families"]["exploratory pooled"] == 4  # budget, fisher against random and uniform, uniform - random
     per_budget = table[(table.effect == "selection") & ~table.pooled]
     assert (per_budget["p_adj"] > 0.05).all()
 
@@ -180,7 +180,7 @@ def test_arms_group_by_every_varied_config_key():
     assert table.index.names == ["backend.router_noise", "policy", "budget"]
     assert len(table) == 2 * (2 + 3 * 3) and (table["n_seeds"] == 6).all()
     fx = effects(df, reps=200, pooled=False)
-    selection = fx[(fx.effect == "selection") & (fx.baseline == "random")].set_index(["backend.router_noise", "budget"])
+    selection = fx[(fx.effect == "selection") & (fx.policy == "fisher") & (fx.baseline == "random")].set_index(["backend.router_noise", "budget"])
     assert (selection.loc[0.0, "mean"].abs() < 0.05).all()
     assert (selection.loc[0.07, "mean"] > 0.45).all()
     assert list(fx.columns[:2]) == ["backend.router_noise", "effect"]
@@ -222,8 +222,8 @@ def test_each_context_is_its_own_multiplicity_family():
     assert replay.loc["sync", "p_value"] == min_achievable_pvalue(8)
     # One replay test per regime: Holm within the regime leaves it as it is.
     assert replay.loc["sync", "p_adj"] == replay.loc["sync", "p_value"]
-    assert set(table.attrs["families"]) == {"per-budget (regime=sync)", "per-budget (regime=async)",
-                                            "pooled (regime=sync)", "pooled (regime=async)"}
+    assert set(table.attrs["families"]) == {"exploratory per-budget (regime=sync)",
+                                            "exploratory per-budget (regime=async)"}
 
 
 def test_differences_within_float32_rounding_are_no_effect_and_no_evidence():

@@ -20,6 +20,8 @@ _EXPORTS = {
     "OUTCOME_NAMES": "ablate.analysis.outcomes",
     "flag_policies": "ablate.analysis.flags",
     "export_table": "ablate.analysis.export",
+    "AnalysisSettings": "ablate.analysis.settings",
+    "paired_effect": "ablate.analysis.paired",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -16,25 +16,24 @@ rows another, adjusted with ``adjust`` (Holm by default). Comparing two policies
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from ablate.analysis.outcomes import HIGHER_IS_BETTER
-from ablate.analysis.stats import Adjustment, CiMethod, adjust_pvalues
+from ablate.analysis.settings import AnalysisSettings
 from ablate.analysis.tables import (
-    EFFECT_COLUMNS,
-    _pooled_rows,
-    _row,
-    _RowSettings,
+    RowSettings,
     arm_keys,
     arm_values,
     canonical_order,
     check_frame,
     contexts,
-    effects,
-    resolve_min_seeds,
+    effect_row,
+    effect_rows,
+    effect_table,
+    pooled_rows,
 )
 from ablate.arms import arm_name
 
@@ -56,29 +55,29 @@ def compare_values(
     a: str,
     b: str,
     *,
-    by: Sequence[str] | None = None,
-    level: float = 0.95,
-    reps: int = 2000,
-    seed: int = 0,
-    method: CiMethod = "percentile",
-    min_seeds: int | None = None,
-    adjust: Adjustment = "holm",
+    settings: AnalysisSettings | None = None,
+    **options: Any,
 ) -> pd.DataFrame:
     """``Y(key=a) - Y(key=b)`` per arm, paired by seed (see the module doc).
+
+    ``settings`` (or its keywords) as for :func:`~ablate.analysis.tables.effects`; primary
+    questions do not apply here: the comparison is its own question, with its own families.
 
     ``a`` and ``b`` are matched against the key's values as text, case-insensitively, so
     ``true`` finds a boolean ``True``. Columns: the other arm keys, ``compare`` (``"key: a - b"``),
     then the effect table's columns (``effect`` is ``"compare"``, ``baseline`` is ``key=b``).
     """
+    settings = replace(AnalysisSettings.of(settings, options), primary=())
+    by = settings.by
     if key == "policy":
         missing = {a, b} - set(df["policy"])
         if missing:
             raise ValueError(f"--compare policy={a}:{b}: no policy {sorted(missing)} in this sweep; "
                              f"policies here: {', '.join(sorted(set(df['policy'])))}")
-        table = effects(df, outcome, by=by, level=level, reps=reps, seed=seed, method=method,
-                        min_seeds=min_seeds, comparisons=[(a, b)], adjust=adjust, matched=False)
-        table = table[(table["policy"] == a) & (table["baseline"] == b)].reset_index(drop=True)
-        _adjust(table, adjust)  # this comparison's own families, not the effects table's
+        rows, keys, row_settings = effect_rows(df, outcome, settings, comparisons=[(a, b)],
+                                               others_vs_random=False, matched=False)
+        rows = [row for row in rows if row["policy"] == a and row["baseline"] == b]
+        table = effect_table(rows, keys, row_settings, family_keys=())  # this comparison's own families
         table.insert(0, "compare", f"policy: {a} - {b}")
         return table
     if key not in df.columns:
@@ -93,8 +92,7 @@ def compare_values(
             raise ValueError(f"--compare {key}={a}:{b}: {key} is never {value!r} here; its values: {', '.join(present)}")
     keys = [k for k in arm_keys(df, by) if k != key]
     check_frame(df, outcome, [*keys, key])
-    needed = resolve_min_seeds(min_seeds, level)
-    settings = _RowSettings(outcome, level, reps, seed, method, needed, HIGHER_IS_BETTER.get(outcome) is not False)
+    row_settings = RowSettings(outcome, settings)
     label = f"{key}={b}"
     rows: list[dict[str, Any]] = []
     for prefix, part in contexts(df, keys):
@@ -106,20 +104,16 @@ def compare_values(
             shared = sorted(treated.keys() & control.keys(), key=str)
             unpaired = len(treated) + len(control) - 2 * len(shared)
             notes = [f"{unpaired} unpaired seed value(s) dropped"] if unpaired else []
-            block.append(_row(settings, prefix, "compare", arm[0], label, arm[1], shared,
-                              np.array([treated[s] for s in shared], dtype=float),
-                              np.array([control[s] for s in shared], dtype=float), notes))
-        rows += block + _pooled_rows(settings, prefix, block)
-    table = pd.DataFrame([{k: v for k, v in row.items() if not k.startswith("_")} for row in rows],
-                         columns=[*keys, *EFFECT_COLUMNS])
-    if table.empty:
+            block.append(effect_row(row_settings, prefix, "compare", arm[0], label, arm[1], shared,
+                                    np.array([treated[s] for s in shared], dtype=float),
+                                    np.array([control[s] for s in shared], dtype=float), notes))
+        rows += block + pooled_rows(row_settings, prefix, block)
+    if not rows:
         raise ValueError(f"--compare {key}={a}:{b}: no arm (policy, budget{', ' if keys else ''}{', '.join(keys)}) "
                          f"was run with both values")
-    table["pooled"] = table["pooled"].astype(bool)
-    _adjust(table, adjust)
-    table = table.iloc[canonical_order(table, keys)].reset_index(drop=True)
+    order = canonical_order(pd.DataFrame([{k: row[k] for k in ("policy", "budget", *keys)} for row in rows]), keys)
+    table = effect_table([rows[i] for i in order], keys, row_settings, family_keys=())
     table.insert(0, "compare", f"{key}: {a} - {b}")
-    table.attrs.update(outcome=outcome, level=level, adjust=adjust, min_seeds=needed)
     return table
 
 
@@ -137,10 +131,3 @@ def _without_setting_in_names(df: pd.DataFrame, key: str) -> pd.DataFrame:
     out = df.copy()
     out["policy"] = names
     return out
-
-
-def _adjust(table: pd.DataFrame, adjust: Adjustment) -> None:
-    """``p_adj`` within the comparison: its per-budget rows one family, its pooled rows another."""
-    for pooled in (False, True):
-        members = table["pooled"] == pooled
-        table.loc[members, "p_adj"] = adjust_pvalues(table.loc[members, "p_value"].to_numpy(), adjust)

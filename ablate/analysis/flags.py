@@ -34,6 +34,12 @@ its level at any seed count. Nothing is judged below ``min_seeds`` paired seeds 
 made there; see :func:`ablate.analysis.stats.min_seeds_for_interval`), nor without ``none``
 (and, for "too weak", ``full``) in the same context; the ``note`` column says why. ``none`` is
 never flagged.
+
+**With an equivalence margin** for a weak outcome (``margins``, ``--margin kl_k3_mean=0.01``,
+in the outcome's units), "too weak" on that outcome is a claim of equivalence instead: two
+one-sided sign-flip tests (TOST) show ``|mean(none - arm)| < margin``, its p-value adjusted in
+the same family. "No evidence of a reduction" never counts; "a reduction shown to be smaller
+than the margin" does.
 """
 
 from __future__ import annotations
@@ -45,14 +51,10 @@ import numpy as np
 import pandas as pd
 
 from ablate.analysis.outcomes import HIGHER_IS_BETTER
-from ablate.analysis.stats import (
-    Adjustment,
-    CiMethod,
-    adjust_pvalues,
-    paired_bootstrap_ci,
-    ratio_of_means_ci,
-    sign_flip_pvalue,
-)
+from ablate.analysis.paired import paired_interval
+from ablate.analysis.settings import AnalysisSettings
+from ablate.analysis.signflip import SignFlip
+from ablate.analysis.stats import adjust_pvalues, ratio_of_means_ci, sign_flip_pvalue
 from ablate.analysis.tables import (
     arm_keys,
     arm_seeds,
@@ -60,7 +62,6 @@ from ablate.analysis.tables import (
     canonical_order,
     check_frame,
     contexts,
-    resolve_min_seeds,
     row_rng,
 )
 from ablate.policies.roles import FULL_REPLAY, NO_REPLAY
@@ -72,17 +73,12 @@ WEAK_OUTCOMES: tuple[str, ...] = ("kl_k3_mean", "extreme_token_frac_mean")
 def flag_policies(
     df: pd.DataFrame,
     *,
-    by: Sequence[str] | None = None,
-    level: float = 0.95,
-    reps: int = 2000,
-    seed: int = 0,
-    method: CiMethod = "percentile",
-    min_seeds: int | None = None,
-    adjust: Adjustment = "holm",
+    settings: AnalysisSettings | None = None,
     restrictive_outcomes: Sequence[str] = RESTRICTIVE_OUTCOMES,
     restrictive_margin: float = 0.0,
     weak_outcomes: Sequence[str] = WEAK_OUTCOMES,
     weak_share: float = 0.1,
+    **options: Any,
 ) -> pd.DataFrame:
     """Per-arm flags from a per-cell frame (what ``load_runs`` returns); see the module doc.
 
@@ -98,14 +94,15 @@ def flag_policies(
             f"restrictive_margin={restrictive_margin}, weak_share={weak_share}: expected a margin >= 0 "
             "and a share in (0, 1]"
         )
-    adjust_pvalues(np.array([]), adjust)  # names the bad value before any work
+    settings = AnalysisSettings.of(settings, options)
+    level, adjust = settings.level, settings.adjust
     restrictive = [o for o in restrictive_outcomes if o in df.columns]
     weak = [o for o in weak_outcomes if o in df.columns]
-    keys = arm_keys(df, by)
+    keys = arm_keys(df, settings.by)
     for outcome in (*restrictive, *weak):
         check_frame(df, outcome, keys)
-    needed = resolve_min_seeds(min_seeds, level)
-    judge = _Judge(level, reps, seed, method, needed)
+    needed = settings.needed
+    judge = _Judge(settings)
     alpha = 1.0 - level
     rows = []
     for prefix, part in contexts(df, keys):
@@ -171,8 +168,12 @@ def flag_policies(
 class _Judge:
     """One question each: the interval's verdict (``candidate``) and the raw sign-flip ``p``."""
 
-    def __init__(self, level: float, reps: int, seed: int, method: CiMethod, needed: int) -> None:
-        self.level, self.reps, self.seed, self.method, self.needed = level, reps, seed, method, needed
+    def __init__(self, settings: AnalysisSettings) -> None:
+        self.settings = settings
+        self.level, self.reps, self.seed, self.needed = settings.level, settings.reps, settings.seed, settings.needed
+        # A ratio of means has no sign-flip inversion: its interval is a bootstrap (percentile
+        # unless BCa is asked for).
+        self.ratio_method = "BCa" if settings.method == "BCa" else "percentile"
 
     def restrictive(self, arms: dict, policy: str, budget: float, outcome: str, margin: float,
                     prefix: dict[str, Any]) -> dict[str, Any]:
@@ -192,7 +193,8 @@ class _Judge:
             verdict["note"] = f"not judged: {n} seeds paired with none < {self.needed}"
             return verdict
         rng = row_rng(self.seed, "restrictive", outcome, *prefix.values(), policy, budget)
-        low, high = paired_bootstrap_ci(a, b, level=self.level, reps=self.reps, rng=rng, method=self.method)
+        low, high = paired_interval(SignFlip(a - b, rng=rng), 1.0 - self.level, method=self.settings.method,
+                                    reps=self.reps, rng=rng)
         verdict["high"] = high
         threshold = -margin * abs(float(b.mean()))
         shifted = a - b - threshold
@@ -223,12 +225,25 @@ class _Judge:
             return verdict
         rng = row_rng(self.seed, "weak", outcome, *prefix.values(), policy, budget)
         share, low, high = ratio_of_means_ci(reduction, full_reduction, level=self.level, reps=self.reps,
-                                             rng=rng, method=self.method)
+                                             rng=rng, method=self.ratio_method)
         verdict.update(share=share, high=high)
+        margin_units = self.settings.margins.get(outcome)
+        if margin_units:
+            return self._equivalent_to_none(verdict, reduction, outcome, margin_units, rng)
         margin = reduction - weak_share * full_reduction  # share < weak_share <=> mean(margin) < 0
         verdict["p"] = sign_flip_pvalue(margin, rng=rng) if margin.mean() < 0 else 1.0
         if high < weak_share:
             verdict["candidate"] = True
             verdict["reason"] = (f"too weak: {share:.1%} [{low:.1%}, {high:.1%}] of full's {outcome} "
                                  f"reduction (< {weak_share:.0%})")
+        return verdict
+
+    def _equivalent_to_none(self, verdict: dict[str, Any], reduction: np.ndarray, outcome: str, margin: float,
+                            rng: np.random.Generator) -> dict[str, Any]:
+        """With a margin for ``outcome``: too weak when TOST shows ``|arm - none| < margin``."""
+        verdict["p"] = SignFlip(reduction, rng=rng).tost(margin)
+        if verdict["p"] < 1.0 - self.level:
+            verdict["candidate"] = True
+            verdict["reason"] = (f"too weak: {outcome} within ±{margin:g} of none's (reduction "
+                                 f"{reduction.mean():+.3g}, equivalence p {verdict['p']:.2g})")
         return verdict

@@ -77,6 +77,7 @@ ID_COLUMNS: tuple[str, ...] = (
 #: and the grid's own axes, which are columns of their own.
 NOT_ARM_KEYS: tuple[str, ...] = (
     "tracking", "store_dir", "sweep", "objective", "hydra", "budget", "seed", "trial", "schema_version", "policy.name",
+    "analysis",
 )
 #: Keys the cell runner adds to the flattened W&B config beside the resolved config's own.
 WANDB_IDENTITY_KEYS: frozenset[str] = frozenset(

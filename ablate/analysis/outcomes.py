@@ -243,6 +243,19 @@ def _time_average(steps: np.ndarray, values: np.ndarray) -> float:
 def _collapsed(reward: np.ndarray, fraction: float, patience: int, window: int, chance: float) -> float:
     if reward.size == 0:
         return math.nan
+    return 0.0 if collapse_onset(reward, fraction, patience, window, chance) is None else 1.0
+
+
+def collapse_onset(reward: np.ndarray, fraction: float = 0.5, patience: int = 10, window: int = 5,
+                   chance: float = math.nan) -> int | None:
+    """Index (into ``reward``) of the first step of the collapse ``collapsed`` finds, or None.
+
+    The same rule as the ``collapsed`` outcome (module doc): the first of ``patience``
+    consecutive smoothed values below the threshold after the best one. It is the event time of
+    the survival curves (:mod:`ablate.analysis.survival`).
+    """
+    if reward.size == 0:
+        return None
     smoothed = pd.Series(reward).rolling(window, min_periods=1).mean().to_numpy()
     best_index = int(np.argmax(smoothed))
     best = smoothed[best_index]
@@ -253,7 +266,13 @@ def _collapsed(reward: np.ndarray, fraction: float, patience: int, window: int, 
         scale = best - chance
         threshold = chance + fraction * scale
     if scale <= 0:
-        return 0.0
+        return None
+    run = 0
+    for offset, below in enumerate(smoothed[best_index + 1 :] < threshold):
+        run = run + 1 if below else 0
+        if run >= patience:
+            return best_index + 1 + offset - patience + 1
+    return None
     run = 0
     for below in smoothed[best_index + 1 :] < threshold:
         run = run + 1 if below else 0

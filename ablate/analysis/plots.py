@@ -141,7 +141,9 @@ def plot_selection_effects(effects_table: pd.DataFrame, path_stem: str | Path, *
         for i, (effect, policy, baseline) in enumerate(comparisons):
             sub = part[(part["effect"] == effect) & (part["policy"] == policy) & (part["baseline"] == baseline)]
             x = np.array([budgets.index(b) for b in sub["budget"]]) + (i - (len(comparisons) - 1) / 2) * width
-            errors = np.nan_to_num(np.vstack([sub["mean"] - sub["ci_low"], sub["ci_high"] - sub["mean"]]))
+            # An interval the test cannot bound (too few seeds: -inf, inf) is drawn as no bar.
+            errors = np.nan_to_num(np.vstack([sub["mean"] - sub["ci_low"], sub["ci_high"] - sub["mean"]]),
+                                   nan=0.0, posinf=0.0, neginf=0.0)
             color = policy_color(policy, policies)
             matched = effect == "matched_selection"
             label = f"{policy} - {baseline}" + (" at its effective budget" if matched else "")
@@ -303,3 +305,29 @@ def _save(fig: Figure, path_stem: str | Path) -> list[Path]:
         atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format=fmt))
         paths.append(path)
     return paths
+
+
+def plot_collapse_survival(times: pd.DataFrame, path_stem: str | Path, *, by: Sequence[str] = ()) -> list[Path]:
+    """Kaplan-Meier curves of P(no collapse yet) against the step, one line per arm, per context.
+
+    ``times`` is :func:`ablate.analysis.survival.collapse_times`; a tick marks a censored run
+    (one that never collapsed, at its last step).
+    """
+    from ablate.analysis.survival import kaplan_meier
+
+    panels = _contexts(times, list(by)) if not times.empty else [("", times)]
+    fig, axes = _panels(len(panels))
+    policies = list(times["policy"].unique())
+    for ax, (title, part) in zip(axes, panels):
+        for (policy, budget), arm in part.groupby(["policy", "budget"], sort=False):
+            curve = kaplan_meier(arm["time"], arm["event"])
+            label = policy if policy in FIXED_BUDGET_POLICIES else f"{policy} b={budget:g}"
+            ax.step([0.0, *curve["step"]], [1.0, *curve["survival"]], where="post", label=label,
+                    color=policy_color(policy, policies), linestyle=policy_style(policy, policies))
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("step")
+        ax.set_ylabel("share of seeds not collapsed")
+        ax.set_title(title, fontsize="small")
+        ax.legend(fontsize="xx-small")
+    fig.suptitle("time to collapse (Kaplan-Meier over seeds)", fontsize="medium")
+    return _save(fig, path_stem)

@@ -8,7 +8,7 @@ generator in the same state gives the same interval.
 
 scipy does the resampling (``scipy.stats.bootstrap``), the Monte Carlo sign-flip test
 (``permutation_test``), Benjamini-Hochberg (``false_discovery_control``), the IQM
-(``trim_mean``) and the probability of improvement (``mannwhitneyu``). Two pieces are written
+(``trim_mean``). Two pieces are written
 here because scipy has nothing as good: the exact sign-flip test (one matrix product over all
 sign patterns, about 35x faster than ``permutation_test`` at 20 seeds, which matters for a table
 of dozens of tests) and Holm's step-down adjustment (scipy has none). scipy is imported inside
@@ -296,6 +296,47 @@ def adjust_pvalues(p: np.ndarray, method: Adjustment = "holm") -> np.ndarray:
     return adjusted
 
 
+def interval_alphas(p: np.ndarray, alpha: float, method: Adjustment = "holm") -> np.ndarray:
+    """Per hypothesis, the level ``a`` of an interval that excludes 0 exactly when ``p_adj < alpha``.
+
+    An interval that inverts the test at ``a`` (``{mu : p(mu) >= a}``) then agrees with the
+    adjusted p-value of :func:`adjust_pvalues` row for row:
+
+    - ``"holm"``: sorted ascending, the hypotheses Holm rejects (the first ``r``, each with
+      ``(m - j) p_(j) < alpha``) get their own step's level ``alpha / (m - j)``; every other
+      gets ``alpha / (m - r)``, the step where Holm stopped. The first row's level is
+      Bonferroni's ``alpha / m``, so the family's smallest p has a simultaneous interval.
+    - ``"bh"``: Benjamini and Yekutieli's false-coverage-rate intervals: every row at
+      ``R alpha / m`` with ``R`` the number of rejections (``alpha / m`` when there is none),
+      so the expected share of selected intervals that miss their effect is at most ``alpha``.
+    - ``"none"``: ``alpha`` for every row.
+
+    NaN p-values (rows without a test) get NaN.
+    """
+    if method not in ADJUSTMENTS:
+        raise ValueError(f"adjust={method!r}: expected one of {', '.join(ADJUSTMENTS)}")
+    values = np.asarray(p, dtype=float).ravel()
+    levels = np.full(values.shape, math.nan)
+    tested = np.flatnonzero(np.isfinite(values))
+    m = tested.size
+    if m == 0:
+        return levels
+    if method == "none":
+        levels[tested] = alpha
+        return levels
+    if method == "bh":
+        rejections = int(np.count_nonzero(adjust_pvalues(values[tested], "bh") < alpha))
+        levels[tested] = max(rejections, 1) * alpha / m
+        return levels
+    order = tested[np.argsort(values[tested], kind="stable")]
+    rejected = 0
+    while rejected < m and (m - rejected) * values[order[rejected]] < alpha:
+        rejected += 1
+    for step, index in enumerate(order):
+        levels[index] = alpha / (m - min(step, rejected))
+    return levels
+
+
 def probability_of_improvement(a: np.ndarray, b: np.ndarray, *, higher_is_better: bool = True) -> float:
     """rliable's probability of improvement: P(a run of ``a`` beats a run of ``b``).
 
@@ -310,9 +351,11 @@ def probability_of_improvement(a: np.ndarray, b: np.ndarray, *, higher_is_better
         return math.nan
     if not higher_is_better:
         a_values, b_values = -a_values, -b_values
-    stats = require("scipy.stats", "the probability of improvement")
-    u = stats.mannwhitneyu(a_values, b_values, alternative="two-sided").statistic
-    return float(u) / (a_values.size * b_values.size)
+    # U / (n_a n_b), counted over every pair directly: the same number as scipy's mannwhitneyu
+    # statistic, without its per-call overhead (about 30x, which dominates a table of many rows).
+    wins = a_values[:, None] > b_values[None, :]
+    ties = a_values[:, None] == b_values[None, :]
+    return float(wins.mean() + 0.5 * ties.mean())
 
 
 def snap_to_zero(value: float, scale: float) -> float:

@@ -34,21 +34,13 @@ from typing import Any, Hashable, Iterable, Sequence
 import numpy as np
 import pandas as pd
 
+from ablate.analysis.families import assign_families, families_legend
 from ablate.analysis.matched import matched_pairs, seed_curves
 from ablate.analysis.outcomes import HIGHER_IS_BETTER
-from ablate.analysis.stats import (
-    Adjustment,
-    CiMethod,
-    adjust_pvalues,
-    bootstrap_ci,
-    iqm,
-    min_seeds_for_interval,
-    paired_bootstrap_ci,
-    probability_of_improvement,
-    ZERO_TOLERANCE,
-    sign_flip_pvalue,
-    snap_to_zero,
-)
+from ablate.analysis.paired import paired_effect
+from ablate.analysis.settings import AnalysisSettings
+from ablate.analysis.signflip import t_interval
+from ablate.analysis.stats import bootstrap_ci, iqm, min_seeds_for_interval
 from ablate.arms import arm_policy
 from ablate.policies import fixed_budget_policies
 from ablate.policies.roles import (
@@ -70,7 +62,8 @@ SUMMARY_COLUMNS: tuple[str, ...] = (
 )
 EFFECT_COLUMNS: tuple[str, ...] = (
     "effect", "policy", "baseline", "budget", "pooled", "mean", "ci_low", "ci_high", "p_value", "p_adj",
-    "prob_improvement", "n_seeds", "note",
+    "ci_adj_low", "ci_adj_high", "family", "margin", "p_equiv", "p_equiv_adj", "claim",
+    "prob_improvement", "share_improved", "sd_diff", "n_seeds", "note",
 )
 
 Arms = dict[tuple[str, float | None], dict[Hashable, float]]
@@ -100,35 +93,37 @@ def summarize(
     df: pd.DataFrame,
     outcome: str = "final_reward",
     *,
-    by: Sequence[str] | None = None,
-    level: float = 0.95,
-    reps: int = 2000,
-    seed: int = 0,
-    method: CiMethod = "percentile",
-    min_seeds: int | None = None,
+    settings: AnalysisSettings | None = None,
+    **options: Any,
 ) -> pd.DataFrame:
     """Per-arm summary of one outcome over seeds.
 
-    Columns: ``mean``, ``std`` (sample standard deviation, ddof=1), ``iqm`` (interquartile
-    mean), ``ci_low``/``ci_high`` (bootstrap interval of the mean at ``level``, ``reps``
-    resamples, ``method`` percentile or BCa; none below ``min_seeds``), ``n_seeds``,
-    ``effective_budget`` (mean of ``effective_budget_mean``, when the frame has it) and
-    ``note``. Indexed by the arm keys, then ``(policy, budget)``; policies in the canonical
-    order (none, full, random, uniform, fisher, mismatch, then others), budgets ascending.
+    ``settings`` (or keywords of :class:`~ablate.analysis.settings.AnalysisSettings`: ``by``,
+    ``level``, ``method``, ``reps``, ``seed``, ``min_seeds``) say how. Columns: ``mean``,
+    ``std`` (sample standard deviation, ddof=1), ``iqm`` (interquartile mean),
+    ``ci_low``/``ci_high`` (interval of the mean at ``level``: Student's t for ``method`` exact
+    or t, whose coverage at 6 seeds is near nominal; a bootstrap for percentile or BCa; none
+    below ``min_seeds``), ``n_seeds``, ``effective_budget`` (mean of ``effective_budget_mean``,
+    when the frame has it) and ``note``. Indexed by the arm keys, then ``(policy, budget)``;
+    policies in the canonical order (none, full, random, uniform, fisher, mismatch, then
+    others), budgets ascending.
     """
-    keys = arm_keys(df, by)
+    settings = AnalysisSettings.of(settings, options)
+    keys = arm_keys(df, settings.by)
     check_frame(df, outcome, keys)
-    needed = resolve_min_seeds(min_seeds, level)
+    needed = settings.needed
     rows = []
     for group_key, group in df.groupby([*keys, "policy", "budget"], sort=False, dropna=False):
         *context, policy, budget = group_key
         values = _finite(group[outcome])
         n = values.size
-        low, high = (
-            bootstrap_ci(values, level=level, reps=reps, method=method,
-                         rng=row_rng(seed, "summary", outcome, *context, policy, budget))
-            if n >= needed else (math.nan, math.nan)
-        )
+        if n < needed:
+            low, high = math.nan, math.nan
+        elif settings.method in ("exact", "t"):
+            low, high = t_interval(values, level=settings.level)
+        else:
+            low, high = bootstrap_ci(values, level=settings.level, reps=settings.reps, method=settings.method,
+                                     rng=row_rng(settings.seed, "summary", outcome, *context, policy, budget))
         effective = _finite(group[EFFECTIVE_BUDGET]) if EFFECTIVE_BUDGET in group.columns else np.array([])
         rows.append({
             **dict(zip(keys, context)),
@@ -145,7 +140,9 @@ def summarize(
         })
     table = pd.DataFrame(rows, columns=[*keys, "policy", "budget", *SUMMARY_COLUMNS])
     table = table.iloc[canonical_order(table, keys)].set_index([*keys, "policy", "budget"])
-    table.attrs.update(outcome=outcome, level=level, method=method, min_seeds=needed, by=keys)
+    interval = "t" if settings.method in ("exact", "t") else f"{settings.method} bootstrap"
+    table.attrs.update(outcome=outcome, level=settings.level, method=settings.method, interval=interval,
+                       min_seeds=needed, by=keys)
     return table
 
 
@@ -153,18 +150,13 @@ def effects(
     df: pd.DataFrame,
     outcome: str = "final_reward",
     *,
-    by: Sequence[str] | None = None,
-    level: float = 0.95,
-    reps: int = 2000,
-    seed: int = 0,
-    method: CiMethod = "percentile",
-    min_seeds: int | None = None,
+    settings: AnalysisSettings | None = None,
     comparisons: Iterable[tuple[str, str]] | None = None,
-    others_vs_random: bool = False,
-    adjust: Adjustment = "holm",
+    others_vs_random: bool = True,
     pooled: bool = True,
     matched: bool = True,
     extrapolate: float = 0.1,
+    **options: Any,
 ) -> pd.DataFrame:
     """Effects of replay, budget and selection on ``outcome``, paired by seed, per context.
 
@@ -177,7 +169,8 @@ def effects(
     - ``comparisons``: extra ``(policy, baseline)`` pairs, e.g. ``("mismatch", "fisher")``;
       two budgeted policies give ``selection`` rows at each shared budget, a budgeted policy
       against ``none`` or ``full`` gives ``budget`` rows, ``full`` against ``none`` ``replay``.
-    - ``others_vs_random``: also every other budgeted policy against ``random`` (selection).
+    - ``others_vs_random`` (default True, as ``ablate-analyze``, so both build the same
+      families): also every other budgeted policy against ``random`` (selection).
     - ``matched_selection`` at b (``matched=True``, when the frame has ``effective_budget_mean``):
       every budgeted policy other than ``random`` against ``random``'s budget-response curve at
       the policy's effective budget, per seed (:mod:`ablate.analysis.matched`; ``extrapolate``
@@ -187,92 +180,97 @@ def effects(
       claims that span budgets ("fisher beats random") with one test instead of one per budget.
 
     Only seeds present (with a finite outcome) in both arms are used; ``n_seeds`` counts them.
-    ``ci_low``/``ci_high`` is the paired bootstrap interval of the mean difference (none below
-    ``min_seeds`` paired seeds), ``p_value`` the two-sided sign-flip test (exact up to 20
-    seeds), ``prob_improvement`` rliable's probability that a run of the policy beats a run of
-    the baseline (the direction of "beats" from ``HIGHER_IS_BETTER``; for outcomes with no
-    better side, the probability of a larger value).
+    The numbers of each row come from :func:`ablate.analysis.paired.paired_effect`:
+    ``ci_low``/``ci_high`` the unadjusted interval at ``level`` (by default the inverted exact
+    sign-flip test: it excludes 0 exactly when ``p_value < 1 - level``; none below
+    ``min_seeds`` paired seeds), ``p_value`` the two-sided sign-flip test (exact up to 16
+    seeds, Monte Carlo above), ``p_equiv`` the equivalence test of ``|effect| < margin`` when
+    ``margins`` names the outcome, ``prob_improvement`` rliable's probability that a run of
+    the policy beats a run of the baseline (unpaired), ``share_improved`` the share of seeds
+    whose own paired difference improved (the direction from ``HIGHER_IS_BETTER``; for
+    outcomes with no better side, a larger value), ``sd_diff`` the paired standard deviation.
 
-    **Multiplicity.** ``p_adj`` is ``p_value`` adjusted within the outcome's family (``adjust``:
-    Holm by default, ``"bh"`` Benjamini-Hochberg, ``"none"``). A family is one context's rows
-    (a context: one combination of the arm keys besides policy and budget, e.g. one regime of
-    the backend; the whole table when there are none), per-budget rows (replay, budget,
-    selection, matched selection) and pooled rows apart, so a claim across budgets is not
-    charged for the per-budget tests, and the question asked of one regime is not charged for
-    the questions asked of another. ``note`` says in plain words
-    when the seeds are too few for an interval or a claim, and when seeds were dropped.
+    **Multiplicity** (:mod:`ablate.analysis.families`). ``family`` names each row's family:
+    the ordered ``primary`` gates (serial gatekeeping), else the exploratory default, one
+    family per context (a combination of the arm keys besides policy and budget) with
+    per-budget and pooled rows apart. ``p_adj`` is adjusted within it (``adjust``: Holm by
+    default), ``ci_adj_low``/``ci_adj_high`` is the interval adjusted to the same family (it
+    excludes 0 exactly when ``p_adj < 1 - level``), ``p_equiv_adj`` the equivalence p adjusted
+    the same way, and ``claim`` says what the row supports: ``differs``, ``within ±margin``
+    or ``inconclusive``. ``note`` says in plain words when the seeds are too few for an
+    interval or a claim, and when seeds were dropped.
     """
-    keys = arm_keys(df, by)
+    rows, keys, row_settings = effect_rows(
+        df, outcome, AnalysisSettings.of(settings, options), comparisons=comparisons,
+        others_vs_random=others_vs_random, pooled=pooled, matched=matched, extrapolate=extrapolate,
+    )
+    return effect_table(rows, keys, row_settings)
+
+
+def effect_rows(
+    df: pd.DataFrame,
+    outcome: str,
+    settings: AnalysisSettings,
+    *,
+    comparisons: Iterable[tuple[str, str]] | None = None,
+    others_vs_random: bool = True,
+    pooled: bool = True,
+    matched: bool = True,
+    extrapolate: float = 0.1,
+) -> tuple[list[dict[str, Any]], list[str], "RowSettings"]:
+    """The rows of :func:`effects` before families are formed: ``(rows, arm keys, row settings)``.
+
+    For a caller that keeps some rows and forms its own families (:mod:`ablate.analysis.compare`)
+    with :func:`effect_table`.
+    """
+    keys = arm_keys(df, settings.by)
     check_frame(df, outcome, keys)
-    needed = resolve_min_seeds(min_seeds, level)
-    settings = _RowSettings(outcome, level, reps, seed, method, needed, HIGHER_IS_BETTER.get(outcome) is not False)
     rows: list[dict[str, Any]] = []
+    row_settings = RowSettings(outcome, settings)
     for prefix, part in contexts(df, keys):
         arms = arm_values(part, outcome)
         comparisons_here = _effect_pairs(part, comparisons, others_vs_random)
-        block = [_paired_row(settings, prefix, kind, policy, baseline, budget, arms)
+        block = [_paired_row(row_settings, prefix, kind, policy, baseline, budget, arms)
                  for kind, policy, baseline, budget in comparisons_here]
         if matched and EFFECTIVE_BUDGET in part.columns:
-            block += _matched_rows(settings, prefix, part, arms, extrapolate)
+            block += _matched_rows(row_settings, prefix, part, arms, extrapolate)
         if pooled:
-            block += _pooled_rows(settings, prefix, block)
+            block += pooled_rows(row_settings, prefix, block)
         rows += block
-    table = pd.DataFrame([{k: v for k, v in row.items() if not k.startswith("_")} for row in rows],
-                         columns=[*keys, *EFFECT_COLUMNS])
-    table["pooled"] = table["pooled"].astype(bool)
-    families = _families(table, keys)
-    for members in families.values():
-        table.loc[members, "p_adj"] = adjust_pvalues(table.loc[members, "p_value"].to_numpy(), adjust)
-    direction = HIGHER_IS_BETTER.get(outcome)
-    table.attrs.update(
-        outcome=outcome, level=level, method=method, min_seeds=needed, by=keys, adjust=adjust,
-        families={name: int(table.loc[members, "p_value"].notna().sum()) for name, members in families.items()},
-        improvement={True: "higher is better", False: "lower is better"}.get(direction, "P(policy > baseline)"),
-    )
-    return table
-
-
-def _families(table: pd.DataFrame, keys: Sequence[str]) -> dict[str, pd.Series]:
-    """Row masks of each multiplicity family: per context, per-budget rows and pooled rows apart."""
-    families: dict[str, pd.Series] = {}
-    contexts_of = pd.Series("", index=table.index)
-    for key in keys:
-        contexts_of += (", " if key != keys[0] else "") + f"{key}=" + table[key].astype(str)
-    for context in dict.fromkeys(contexts_of):
-        here = contexts_of == context
-        for kind, members in (("per-budget", here & ~table["pooled"]), ("pooled", here & table["pooled"])):
-            families[f"{kind} ({context})" if context else kind] = members
-    return families
+    return rows, keys, row_settings
 
 
 @dataclass(frozen=True)
-class _RowSettings:
-    """What every effect row of one table is computed with."""
+class RowSettings:
+    """What every effect row of one table is computed with: the outcome and the analysis settings."""
 
     outcome: str
-    level: float
-    reps: int
-    seed: int
-    method: CiMethod
-    needed: int  # fewest paired seeds for an interval
-    higher_is_better: bool  # outcomes with no better side count a larger value as the improvement
+    analysis: AnalysisSettings
+
+    @property
+    def higher_is_better(self) -> bool | None:
+        return HIGHER_IS_BETTER.get(self.outcome)
+
+    @property
+    def margin(self) -> float | None:
+        return self.analysis.margins.get(self.outcome)
 
 
-def _row(
-    settings: _RowSettings, prefix: dict[str, Any], kind: str, policy: str, baseline: str, budget: float | None,
+def effect_row(
+    settings: RowSettings, prefix: dict[str, Any], kind: str, policy: str, baseline: str, budget: float | None,
     seeds: list[Hashable], a: np.ndarray, b: np.ndarray, notes: list[str], *, pooled: bool = False,
 ) -> dict[str, Any]:
-    """One effect row from seed-paired values ``a`` (policy) and ``b`` (baseline)."""
-    n = a.size
-    rng = row_rng(settings.seed, kind, settings.outcome, *prefix.values(), policy, baseline, budget, pooled)
-    scale = float(max(np.abs(a).max(initial=0.0), np.abs(b).max(initial=0.0)))
-    # Differences within float32 rounding are 0 for every statistic of the row, the test too:
-    # seeds that agree up to rounding must not read as a consistent sign.
-    diffs = np.where(np.abs(a - b) <= ZERO_TOLERANCE * scale, 0.0, a - b)
-    low, high = (
-        paired_bootstrap_ci(a, b, level=settings.level, reps=settings.reps, rng=rng, method=settings.method)
-        if n >= settings.needed else (math.nan, math.nan)
-    )
+    """One effect row from seed-paired values ``a`` (policy) and ``b`` (baseline).
+
+    Keys starting with ``_`` (the seed-paired values, the row's test and generator) are for
+    :func:`pooled_rows` and :func:`effect_table` and never reach the table.
+    """
+    analysis = settings.analysis
+    rng = row_rng(analysis.seed, kind, settings.outcome, *prefix.values(), policy, baseline, budget, pooled)
+    numbers = paired_effect(a, b, rng=rng, level=analysis.level, method=analysis.method, reps=analysis.reps,
+                            min_seeds=analysis.needed, margin=settings.margin,
+                            higher_is_better=settings.higher_is_better)
+    n = numbers["n_seeds"]
     return {
         **prefix,
         "effect": kind,
@@ -280,19 +278,39 @@ def _row(
         "baseline": baseline,
         "budget": math.nan if budget is None else float(budget),
         "pooled": pooled,
-        "mean": snap_to_zero(float(diffs.mean()), scale) if n else math.nan,
-        "ci_low": low,
-        "ci_high": high,
-        "p_value": sign_flip_pvalue(diffs, rng=rng) if n else math.nan,
+        **{key: value for key, value in numbers.items() if key != "test"},
         "p_adj": math.nan,
-        "prob_improvement": probability_of_improvement(a, b, higher_is_better=settings.higher_is_better),
-        "n_seeds": n,
-        "note": "; ".join(part for part in [_seeds_note(n, settings.needed, "paired seed"), *notes] if part),
+        "margin": settings.margin if settings.margin else math.nan,
+        "note": "; ".join(part for part in [_seeds_note(n, analysis.needed, "paired seed"), *notes] if part),
         "_by_seed": dict(zip(seeds, zip(a, b))),
+        "_test": numbers["test"],
+        "_rng": rng,
     }
 
 
-def _paired_row(settings: _RowSettings, prefix: dict[str, Any], kind: str, policy: str, baseline: str,
+def effect_table(rows: list[dict[str, Any]], keys: Sequence[str], settings: RowSettings,
+                 family_keys: Sequence[str] | None = None) -> pd.DataFrame:
+    """Rows of :func:`effect_row` as a table, with families, adjusted p and intervals filled in.
+
+    Families are formed per context of ``family_keys`` (default: the arm keys ``keys``).
+    """
+    table = pd.DataFrame([{k: v for k, v in row.items() if not k.startswith("_")} for row in rows],
+                         columns=[*keys, *EFFECT_COLUMNS])
+    table["pooled"] = table["pooled"].astype(bool)
+    tests = {i: row["_test"] for i, row in enumerate(rows)}
+    assign_families(table, keys if family_keys is None else family_keys, settings.analysis, tests,
+                    lambda i: rows[i]["_rng"])
+    analysis, direction = settings.analysis, settings.higher_is_better
+    table.attrs.update(
+        outcome=settings.outcome, level=analysis.level, method=analysis.method, min_seeds=analysis.needed,
+        by=list(keys), adjust=analysis.adjust, primary=list(analysis.primary), margin=settings.margin,
+        families=families_legend(table),
+        improvement={True: "higher is better", False: "lower is better"}.get(direction, "P(policy > baseline)"),
+    )
+    return table
+
+
+def _paired_row(settings: RowSettings, prefix: dict[str, Any], kind: str, policy: str, baseline: str,
                 budget: float | None, arms: Arms) -> dict[str, Any]:
     treated, control = arm_seeds(arms, policy, budget), arm_seeds(arms, baseline, budget)
     shared = sorted(treated.keys() & control.keys(), key=str)
@@ -300,10 +318,10 @@ def _paired_row(settings: _RowSettings, prefix: dict[str, Any], kind: str, polic
     notes = [f"{unpaired} unpaired seed value(s) dropped"] if unpaired else []
     a = np.array([treated[s] for s in shared], dtype=float)
     b = np.array([control[s] for s in shared], dtype=float)
-    return _row(settings, prefix, kind, policy, baseline, budget, shared, a, b, notes)
+    return effect_row(settings, prefix, kind, policy, baseline, budget, shared, a, b, notes)
 
 
-def _matched_rows(settings: _RowSettings, prefix: dict[str, Any], part: pd.DataFrame, arms: Arms,
+def _matched_rows(settings: RowSettings, prefix: dict[str, Any], part: pd.DataFrame, arms: Arms,
                   extrapolate: float) -> list[dict[str, Any]]:
     """``matched_selection`` rows: each budgeted policy against random's curve at its effective budget."""
     effective = arm_values(part, EFFECTIVE_BUDGET)
@@ -322,11 +340,11 @@ def _matched_rows(settings: _RowSettings, prefix: dict[str, Any], part: pd.DataF
             notes.append(f"{outside} seed(s) outside random's effective-budget range, dropped")
         if no_curve:
             notes.append(f"{no_curve} seed(s) without a random curve, dropped")
-        rows.append(_row(settings, prefix, "matched_selection", policy, CURVE_POLICY, budget, seeds, a, b, notes))
+        rows.append(effect_row(settings, prefix, "matched_selection", policy, CURVE_POLICY, budget, seeds, a, b, notes))
     return rows
 
 
-def _pooled_rows(settings: _RowSettings, prefix: dict[str, Any], block: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def pooled_rows(settings: RowSettings, prefix: dict[str, Any], block: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per comparison made at several budgets: per seed, the mean difference over those budgets."""
     by_comparison: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for row in block:
@@ -345,7 +363,7 @@ def _pooled_rows(settings: _RowSettings, prefix: dict[str, Any], block: list[dic
         notes = [f"pooled over budgets {budgets}"]
         if dropped:
             notes.append(f"{dropped} seed(s) missing at some budget, dropped")
-        pooled.append(_row(settings, prefix, kind, policy, baseline, None, seeds, a, b, notes, pooled=True))
+        pooled.append(effect_row(settings, prefix, kind, policy, baseline, None, seeds, a, b, notes, pooled=True))
     return pooled
 
 
