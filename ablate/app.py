@@ -32,10 +32,26 @@ def plugins_from_arguments(arguments: Sequence[str]) -> list[str]:
     return modules
 
 
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
+def app(cfg: DictConfig) -> float | list[float]:
+    from ablate.runner import run_cell_from_cli
+
+    return run_cell_from_cli(cfg)
+
+
 def main() -> float | list[float] | None:
-    """``ablate ...``: a policy module named by ``plugins=[...]`` is imported before Hydra composes,
-    so that ``policy=<its name>`` is an option of the ``policy`` group."""
-    plugins = plugins_from_arguments(sys.argv[1:])
+    """The command. Before Hydra starts: a ``--config-dir`` file that is not YAML ends in one line,
+    and a policy module named by ``plugins=[...]`` is imported, so that ``policy=<its name>`` is an
+    option of the ``policy`` group."""
+    from ablate.config_errors import config_dir, yaml_problem
+
+    arguments = sys.argv[1:]
+    directory = config_dir(arguments)
+    problem = yaml_problem(directory, arguments) if directory is not None else None
+    if problem is not None:
+        print(f"ablate: {problem}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    plugins = plugins_from_arguments(arguments)
     if plugins:
         from ablate.policies import PolicyError, load_plugins, register_policy_options
 
@@ -46,22 +62,3 @@ def main() -> float | list[float] | None:
             raise SystemExit(2) from None
         register_policy_options()
     return app()
-
-
-@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
-def app(cfg: DictConfig) -> float | list[float]:
-    from ablate.runner import run_cell_from_cli
-
-    return run_cell_from_cli(cfg)
-
-
-def main() -> None:
-    """The command: a ``--config-dir`` with a file that is not YAML ends in one line, before Hydra."""
-    from ablate.config_errors import config_dir, yaml_problem
-
-    directory = config_dir(sys.argv[1:])
-    problem = yaml_problem(directory, sys.argv[1:]) if directory is not None else None
-    if problem is not None:
-        print(f"ablate: {problem}", file=sys.stderr, flush=True)
-        raise SystemExit(2)
-    app()
