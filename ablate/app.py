@@ -51,14 +51,20 @@ def main() -> float | list[float] | None:
     if problem is not None:
         print(f"ablate: {problem}", file=sys.stderr, flush=True)
         raise SystemExit(2)
-    plugins = plugins_from_arguments(arguments)
-    if plugins:
-        from ablate.policies import PolicyError, load_plugins, register_policy_options
-
-        try:
-            load_plugins(plugins)
-        except PolicyError as error:
-            print(f"ablate: {error}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
-        register_policy_options()
+    load_command_plugins(plugins_from_arguments(arguments))
     return app()
+
+
+def load_command_plugins(modules: Sequence[str]) -> None:
+    """Import the policy modules a command names and offer their policies as ``policy`` options;
+    a module that cannot be imported ends the command in one line (exit 2)."""
+    if not modules:
+        return
+    from ablate.policies import PolicyError, load_plugins, register_policy_options
+
+    try:
+        load_plugins(list(modules))
+    except PolicyError as error:
+        print(f"ablate: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    register_policy_options()

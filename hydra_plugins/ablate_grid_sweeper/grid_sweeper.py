@@ -143,16 +143,10 @@ class AblateGridSweeper(BasicSweeper):
         from ablate.sweep import ProgressReporter, describe_plan, plan_grid, tally, wait_for_others
 
         assert self.config is not None and self.launcher is not None and self.hydra_context is not None
-        plugins = [str(module) for module in self.config.get("plugins") or ()]
-        if plugins:  # a sweep file's plugins: their policies become `policy` options before jobs compose
-            from ablate.policies import PolicyError, load_plugins, register_policy_options
+        from ablate.app import load_command_plugins
 
-            try:
-                load_plugins(plugins)
-            except PolicyError as error:
-                print(f"ablate: {error}", file=sys.stderr, flush=True)
-                raise SystemExit(2) from None
-            register_policy_options()
+        # A sweep file's plugins: their policies become `policy` options before the jobs compose.
+        load_command_plugins([str(module) for module in self.config.get("plugins") or ()])
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         overrides = parser.parse_overrides([*self._parse_config(), *arguments])
         jobs = [job for batch in self.split_arguments(overrides, None) for job in batch]
