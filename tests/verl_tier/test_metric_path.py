@@ -232,7 +232,7 @@ def test_hook_keys_reach_the_run_store_and_wandb_through_verls_metric_path(route
     assert logged["actor/replay/unrecorded_routes"] == 0
     assert logged["actor/replay/budget_realized"] == pytest.approx(0.5, abs=0.02)
 
-    def build_command(cell, metrics_file):
+    def build_command(cell, metrics_file, *, launch=True):
         """main_ppo stands aside: a child process logs the step with verl's own file logger."""
         script = ("import json, sys\nfrom verl.utils.tracking import Tracking\n"
                   "Tracking('ablate', 'cell', default_backend=['file']).log(data=json.loads(sys.argv[1]), step=1)\n")

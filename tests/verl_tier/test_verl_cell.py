@@ -130,7 +130,7 @@ def test_dry_run_from_the_command_line_as_a_user_types_it(tmp_path):
 def test_the_cpu_config_passes_the_launch_checks_for_every_policy(tmp_path, policy):
     """backend=verl_cpu composes to a config check_cell_config accepts; a dry run makes no assets."""
     from ablate.backends.verl.cpu import PLUGIN_MODULE, ROLLOUT_NAME
-    from ablate.backends.verl.launch import compose
+    from ablate.backends.verl.launch import compose as compose_verl
 
     overrides = [f"policy={policy}"] + ([] if policy in ("none", "full") else ["budget=0.5"])
     with initialize_config_module(config_module="ablate.conf", version_base="1.3"):
@@ -142,6 +142,6 @@ def test_the_cpu_config_passes_the_launch_checks_for_every_policy(tmp_path, poli
     assert f"actor_rollout_ref.model.path='{tmp_path / 'assets' / 'model'}'" in command
     assert not (tmp_path / "assets").exists()
     config_dir = command[3].removeprefix("--config-path=")
-    composed = compose(config_dir, "ablate_ppo_cpu", command[5:])
+    composed = compose_verl(config_dir, "ablate_ppo_cpu", command[5:])
     assert composed.actor_rollout_ref.rollout.name == ROLLOUT_NAME
     assert composed.ray_kwargs.ray_init.include_dashboard is False
