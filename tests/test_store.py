@@ -165,17 +165,12 @@ def test_a_claim_that_is_a_directory_or_a_cell_path_that_is_a_file_is_named(tmp_
 
 
 def test_a_read_only_store_is_one_error_naming_the_directory(tmp_path):
-    mount = tmp_path / "ro"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here ({done.stderr.decode().strip()})")
-    try:
+    from tests.test_store_edges import read_only_mount
+
+    with read_only_mount(tmp_path) as mount:
         with pytest.raises(StoreError, match=r"runs/s/x: cannot create the cell's directory \(Read-only file system\)"):
             with held(mount / "runs" / "s" / "x"):
                 pass
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
 
 
 def test_the_heartbeat_keeps_a_claim_fresh_without_steps(tmp_path):

@@ -1,5 +1,6 @@
 """Issue 18's rough edges of the run store, through the command line as a user meets them."""
 
+import contextlib
 import shutil
 import subprocess
 import sys
@@ -10,6 +11,20 @@ import pytest
 from ablate.store import read_json
 
 pytestmark = pytest.mark.slow
+
+
+@contextlib.contextmanager
+def read_only_mount(tmp_path):
+    """A read-only 64 KiB tmpfs under ``tmp_path`` for the body of the ``with`` (skips where mounting is refused)."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mount)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here ({mounted.stderr.decode().strip()})")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
 
 
 def ablate(cwd: Path, *args: str, module: str = "ablate") -> subprocess.CompletedProcess:
@@ -46,16 +61,9 @@ def test_a_claim_that_is_a_directory_fails_its_cell_with_what_is_wrong(tmp_path)
 
 
 def test_a_read_only_store_ends_a_sweep_with_one_line(tmp_path):
-    mount = tmp_path / "ro"
-    mount.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mount)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here ({mounted.stderr.decode().strip()})")
-    try:
+    with read_only_mount(tmp_path) as mount:
         done = ablate(tmp_path, "-m", "backend=noop", "policy=none", "seed=0,1", "tracking.mode=disabled",
                       f"store_dir={mount / 'runs'}")
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"ablate: {mount / 'runs'}") and "Read-only file system" in lines[0]
@@ -64,15 +72,8 @@ def test_a_read_only_store_ends_a_sweep_with_one_line(tmp_path):
 def test_an_analysis_into_a_read_only_folder_ends_with_one_line(tmp_path):
     assert ablate(tmp_path, "-m", "backend=noop", "backend.steps=3", "policy=none", "seed=0,1",
                   "tracking.mode=disabled").returncode == 0
-    mount = tmp_path / "ro"
-    mount.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mount)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here ({mounted.stderr.decode().strip()})")
-    try:
+    with read_only_mount(tmp_path) as mount:
         done = ablate(tmp_path, "runs/adhoc", "--no-plots", "--out", str(mount / "out"), module="ablate.analysis")
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.strip() == (f"ablate-analyze: {mount / 'out'}: cannot create the analysis output folder "
                                    "(Read-only file system); expected a writable directory")
