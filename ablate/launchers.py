@@ -118,8 +118,22 @@ def settle(cells: Sequence[PlannedCell], timeout: float = SETTLE_SECONDS, interv
 
 
 def _descendants() -> list[psutil.Process]:
+    """The live processes this one started, directly or not.
+
+    A zombie is not one: a job whose worker was killed leaves its controller's shell unreaped
+    (submitit drops the handle when the job raises), and counting it would wait for it forever.
+    Zombies that are this process's own children are reaped here.
+    """
     with suppress(psutil.Error):
-        return psutil.Process().children(recursive=True)
+        live = []
+        for process in psutil.Process().children(recursive=True):
+            with suppress(psutil.Error):
+                if process.status() != psutil.STATUS_ZOMBIE:
+                    live.append(process)
+                elif process.ppid() == os.getpid():
+                    with suppress(ChildProcessError):
+                        os.waitpid(process.pid, os.WNOHANG)
+        return live
     return []
 
 
