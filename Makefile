@@ -26,18 +26,18 @@ demo: $(STAMP)
 	$(BIN)/python -m ablate.analysis runs/smoke --reps 1000
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" --durations=15
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow || test $$? -eq 5  # 5: no slow test collected
+	$(BIN)/python -m pytest -q -m slow --durations=25 || test $$? -eq 5  # 5: no slow test collected
 
 test-verl:
 	bash .ci/verl-env.sh
-	.venv-verl/bin/python -m pytest -q tests/verl_tier
+	.venv-verl/bin/python -m pytest -q --durations=15 tests/verl_tier
 
 test-verl-e2e:
 	bash .ci/verl-env.sh
-	.venv-verl/bin/python -m pytest -q -s tests/verl_e2e
+	.venv-verl/bin/python -m pytest -q -s --durations=15 tests/verl_e2e
 
 test-wheel:
 	PYTHON=$(PYTHON) TORCH_SPEC="$(TORCH_SPEC)" bash .ci/wheel-smoke.sh
