@@ -69,6 +69,16 @@ def test_a_read_only_store_ends_a_sweep_with_one_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith(f"ablate: {mount / 'runs'}") and "Read-only file system" in lines[0]
 
 
+def test_a_read_only_store_ends_a_single_cell_with_one_line(tmp_path):
+    # Hydra makes the run's own folder inside the store before the app starts: checked before that.
+    with read_only_mount(tmp_path) as mount:
+        done = ablate(tmp_path, "backend=noop", "policy=none", "seed=0", "tracking.mode=disabled",
+                      f"store_dir={mount / 'runs'}")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == (f"ablate: {mount / 'runs'}: cannot create the run store (Read-only file system); "
+                                   "expected a writable directory")
+
+
 def test_an_analysis_into_a_read_only_folder_ends_with_one_line(tmp_path):
     assert ablate(tmp_path, "-m", "backend=noop", "backend.steps=3", "policy=none", "seed=0,1",
                   "tracking.mode=disabled").returncode == 0
