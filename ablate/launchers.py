@@ -248,15 +248,46 @@ class _FirstDeaths:
         self._debug(message, *args)
 
 
+class StoppedCell:
+    """What a joblib job returns when its cell was interrupted (and recorded so) or told not to start."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+
+class ReturnInterrupts:
+    """A launcher's task function whose interrupt ends the job, not the pool.
+
+    joblib aborts a ``Parallel`` call at the first job that raises, and kills every worker: a
+    worker still recording its own interrupt (Ctrl-C reaches every process of the group) would be
+    killed mid-write and its cell left ``running``. The cell has recorded the interrupt before it
+    re-raised it, and the sweep stops itself: the job returns instead.
+    """
+
+    def __init__(self, task: Callable[..., Any]) -> None:
+        self.task = task
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.task(*args, **kwargs)
+        except KeyboardInterrupt as error:
+            return StoppedCell(as_interrupted(error).signum)
+
+
 def _launch_joblib(launcher: Any, cells: Sequence[PlannedCell], initial_job_idx: int) -> Sequence[Any]:
     from joblib.externals.loky.process_executor import TerminatedWorkerError
 
     remaining = list(cells)
+    task = launcher.task_function
     while True:
         with _FirstDeaths(remaining) as deaths:
             batch = [list(cell.overrides) for cell in remaining]
-            returns, error = _run_in_thread(lambda: launcher.launch(batch, initial_job_idx=initial_job_idx),
-                                            remaining, until_children_exit=False)
+            launcher.task_function = ReturnInterrupts(task)
+            try:
+                returns, error = _run_in_thread(lambda: launcher.launch(batch, initial_job_idx=initial_job_idx),
+                                                remaining, until_children_exit=False)
+            finally:
+                launcher.task_function = task
         if not isinstance(error, TerminatedWorkerError):
             if error is not None:
                 raise error
