@@ -11,7 +11,8 @@ import pytest
 from conftest import compose_config
 
 from ablate.backends import BACKENDS, Backend
-from ablate.config import NoopConfig, SyntheticConfig
+from ablate.backends.noop import NoopConfig
+from ablate.backends.synthetic_config import SyntheticConfig
 from ablate.cell import ConfigError, cell_from_config
 from ablate.diagnostics import SCHEMA, SCHEMA_VERSION, validate_record
 from ablate.runner import run_cell
