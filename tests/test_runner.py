@@ -106,7 +106,7 @@ def test_failing_cell_is_recorded_with_error_and_traceback(tmp_path, monkeypatch
     (run_dir,) = find_offline_runs(cell / "wandb")
     assert read_offline_run(run_dir).exit_code == 1
     # A rerun is a new attempt of the same cell.
-    monkeypatch.setitem(BACKENDS, "synthetic", "ablate.backends.synthetic:BACKEND")
+    monkeypatch.setitem(BACKENDS, "synthetic", "ablate.backends.synthetic_config:BACKEND")
     run_cell(cfg)
     assert read_json(cell / "status.json")["attempt"] == 2
 
