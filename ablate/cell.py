@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ablate.analysis.outcomes import check_objective
 from ablate.arms import arm_name
-from ablate.backends import PROBE_BACKENDS
+from ablate.backends import backend_names, get_backend
 from ablate.budget import budget_label, check_budget
 from ablate.config import AppConfig, BackendConfig, ConfigError, FisherEstimateConfig, choice_value
 from ablate.diagnostics import SCHEMA_VERSION
@@ -126,9 +126,7 @@ def cell_from_config(cfg: DictConfig) -> Cell:
         get_policy(name, **settings)  # checks the settings now rather than in the middle of a run
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    if resolved["probes"] and app.backend.name not in PROBE_BACKENDS:
-        raise ConfigError(f"probes={[row['id'] for row in resolved['probes']]} with backend={app.backend.name}: "
-                          f"expected no probes (only {', '.join(PROBE_BACKENDS)} scores them so far)")
+    check_supported(app, resolved["probes"])
     identity = {k: v for k, v in resolved.items() if k not in NOT_IDENTITY}
     cell_id = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
     backend, fisher = app.backend, app.policy.fisher
@@ -140,6 +138,19 @@ def cell_from_config(cfg: DictConfig) -> Cell:
         name=cell_name(name, budget, int(cfg.seed), cfg.get("trial"), variant),
         probes=parse_probes(resolved["probes"]), probe_every=resolved["probe_every"],
     )
+
+
+def check_supported(app: AppConfig, probes: list[dict[str, Any]]) -> None:
+    """What the cell asks of its backend (probes, a Fisher estimator) is what the backend declares."""
+    backend = get_backend(app.backend.name)
+    if probes and not backend.scores_probes:
+        scorers = [name for name in backend_names() if get_backend(name).scores_probes]
+        raise ConfigError(f"probes={[row['id'] for row in probes]} with backend={backend.name}: "
+                          f"expected no probes (only {', '.join(scorers)} scores them so far)")
+    estimator = choice_value(app.policy.fisher.estimator)
+    if estimator not in backend.fisher_estimators:
+        raise ConfigError(f"policy.fisher.estimator={estimator}: expected {' or '.join(backend.fisher_estimators)} "
+                          f"with backend={backend.name} (the Fisher estimators it measures)")
 
 
 def variant_of(policy: str, settings: dict[str, Any], fisher: dict[str, Any]) -> str:

@@ -7,7 +7,8 @@ Two layers of validation, both before a cell writes anything:
   misspelt key or a value of the wrong type fails when Hydra composes the config. Enums turn a
   bad choice (``tracking.mode=ofline``) into an error listing the valid ones. The schemas sit at
   the root of the ConfigStore, outside the ``policy`` and ``backend`` groups, so that ``--help``
-  and tab completion offer only the real choices.
+  and tab completion offer only the real choices. Each backend's config class lives beside its
+  backend under ``ablate/backends/`` and is registered there, in the same way.
 - Values. Every dataclass has a ``check()`` that raises :class:`ConfigError` naming the config
   key, its value and what was expected (``backend.topk=9: expected an integer in [1, 8]
   (backend.experts)``). :func:`ablate.cell.cell_from_config` calls :meth:`AppConfig.check`,
@@ -94,11 +95,6 @@ class Estimator(str, Enum):
 Normalization = Enum("Normalization", {"none": "none", "layer": "layer", "global": "global"}, type=str)
 
 
-class ReplayTokens(str, Enum):
-    all = "all"
-    response = "response"
-
-
 # --- policies -----------------------------------------------------------------------------
 
 
@@ -148,176 +144,18 @@ class FisherPolicyConfig(BudgetedPolicyConfig):
 
 @dataclass
 class BackendConfig:
+    """Fields every backend has: the base of each backend's config class.
+
+    Each backend's own class lives beside its implementation and is registered by
+    :func:`ablate.backends.register_backend_schemas`; ``name`` is the registered backend name.
+    """
+
     KEY: ClassVar[str] = "backend"
 
     name: str = MISSING
 
     def check(self) -> None:
         """Each backend checks its own settings; the base has none beyond its name."""
-
-
-ROLLOUT_DTYPES = ("float32", "float16", "bfloat16")
-
-
-class RolloutIS(str, Enum):
-    """verl's ``algorithm.rollout_correction.rollout_is``: the level of truncated IS weights."""
-
-    token = "token"
-    sequence = "sequence"
-
-
-@dataclass
-class SyntheticConfig(BackendConfig):
-    """The synthetic MoE RL backend (``ablate/backends/synthetic.py``).
-
-    The PPO-step settings carry the names of the verl keys they mirror; the defaults are verl's
-    defaults where verl has one. Named regimes are YAML files under ``conf/backend/``.
-    """
-
-    name: str = "synthetic"
-    #: Which named regime (``conf/backend/synthetic*.yaml``) these settings come from.
-    regime: str = "default"
-    steps: int = 200
-    # Task: prompt = a task token and `digits` random digits; the response continues the digits.
-    vocab_digits: int = 8
-    digits: int = 5
-    response_length: int = 5
-    tasks: int = 4
-    #: From this step on every rule changes (task t counts in steps of t + 1 + tasks); null: never.
-    task_shift_step: Optional[int] = None
-    # Policy model.
-    d_model: int = 32
-    heads: int = 2
-    layers: int = 6
-    experts: int = 8
-    topk: int = 2
-    expert_hidden: int = 32
-    router_temperature: float = 1.0
-    # Rollout engine: the same weights, other numerics, possibly older.
-    rollout_dtype: str = "bfloat16"
-    #: Standard deviation of i.i.d. noise on the engine's router logits (once per position).
-    router_noise: float = 0.07
-    #: Fixed change of the engine's router weights (logit units): the same tokens misrouted every step.
-    router_perturbation: float = 0.0
-    #: The engine samples with the weights of this many steps ago (0: synchronous RL).
-    rollout_lag: int = 0
-    # RL: GRPO advantages, verl's PPO step.
-    prompts_per_step: int = 16  # data.train_batch_size
-    group_size: int = 8  # actor_rollout_ref.rollout.n
-    lr: float = 3e-3
-    max_grad_norm: float = 1.0
-    #: actor_rollout_ref.actor.ppo_mini_batch_size: prompts per optimizer step (verl: 1024 / 256).
-    ppo_mini_batch_size: int = 4
-    ppo_epochs: int = 1  # actor_rollout_ref.actor.ppo_epochs
-    clip_ratio: float = 0.2  # actor_rollout_ref.actor.clip_ratio
-    clip_ratio_c: float = 3.0  # actor_rollout_ref.actor.clip_ratio_c (dual clip)
-    #: algorithm.rollout_correction.bypass_mode: false = ratio against old log-probs recomputed
-    #: by the trainer (verl's default); true = against the rollout log-probs.
-    bypass_mode: bool = False
-    #: The mismatch policy takes its ratio against the native pass it selects from (the verl
-    #: backend did so at first), instead of against an old-log-prob pass that replays its mask.
-    mismatch_native_old_pass: bool = False
-    rollout_is: Optional[RolloutIS] = None  # algorithm.rollout_correction.rollout_is
-    rollout_is_threshold: float = 2.0  # algorithm.rollout_correction.rollout_is_threshold
-    rollout_is_batch_normalize: bool = False  # algorithm.rollout_correction.rollout_is_batch_normalize
-    replay_tokens: ReplayTokens = ReplayTokens.all
-    extreme_threshold: float = 2.0
-    threads: int = 1
-
-    def check(self) -> None:
-        """Every field, named ``backend.<field>=value``, before the cell writes anything."""
-        k = self.KEY
-        for name in ("steps", "digits", "response_length", "tasks", "layers", "experts", "d_model", "heads",
-                     "expert_hidden", "prompts_per_step", "ppo_mini_batch_size", "ppo_epochs", "threads"):
-            require_int(f"{k}.{name}", getattr(self, name), 1)
-        require_int(f"{k}.vocab_digits", self.vocab_digits, 2)
-        require_int(f"{k}.topk", self.topk, 1, self.experts, f"{k}.experts")
-        require_int(f"{k}.rollout_lag", self.rollout_lag, 0)
-        require(self.d_model % self.heads == 0, f"{k}.d_model", self.d_model,
-                f"a multiple of {k}.heads={self.heads} (each attention head gets d_model / heads dimensions)")
-        for name in ("d_model", "expert_hidden"):
-            require(getattr(self, name) % 8 == 0, f"{k}.{name}", getattr(self, name),
-                    "a multiple of 8 (the grouped expert matmul needs 16-byte rows in bfloat16)")
-        # GRPO normalises rewards within a group: one sample has no spread.
-        require_int(f"{k}.group_size", self.group_size, 2)
-        require(self.prompts_per_step % self.ppo_mini_batch_size == 0, f"{k}.ppo_mini_batch_size",
-                self.ppo_mini_batch_size, f"a divisor of {k}.prompts_per_step={self.prompts_per_step}")
-        require(self.rollout_dtype in ROLLOUT_DTYPES, f"{k}.rollout_dtype", self.rollout_dtype,
-                f"one of {', '.join(ROLLOUT_DTYPES)}")
-        for name in ("router_temperature", "lr", "max_grad_norm", "rollout_is_threshold"):
-            require_positive(f"{k}.{name}", getattr(self, name))
-        require(is_number(self.router_noise) and self.router_noise >= 0, f"{k}.router_noise", self.router_noise,
-                "a finite standard deviation >= 0")
-        require(is_number(self.router_perturbation) and self.router_perturbation >= 0, f"{k}.router_perturbation",
-                self.router_perturbation, "a finite scale >= 0 (logit units)")
-        require(is_number(self.clip_ratio) and 0 < self.clip_ratio < 1, f"{k}.clip_ratio", self.clip_ratio,
-                "a fraction in (0, 1)")
-        require(is_number(self.clip_ratio_c) and self.clip_ratio_c > 1, f"{k}.clip_ratio_c", self.clip_ratio_c,
-                "a ratio > 1 (verl's dual-clip bound)")
-        require(self.rollout_is is None or not self.bypass_mode, f"{k}.rollout_is", self.rollout_is,
-                f"null with {k}.bypass_mode=true: verl's bypass ppo_clip loss applies no IS weights")
-        if self.task_shift_step is not None:
-            require_int(f"{k}.task_shift_step", self.task_shift_step, 1, self.steps - 1, f"{k}.steps - 1")
-            require(2 * self.tasks <= self.vocab_digits, f"{k}.tasks", self.tasks,
-                    f"at most {k}.vocab_digits / 2 = {self.vocab_digits // 2} with a task shift, "
-                    "so every new rule differs from every old one")
-        require(is_number(self.extreme_threshold) and self.extreme_threshold > 1, f"{k}.extreme_threshold",
-                self.extreme_threshold, "a finite ratio > 1 (a token is extreme when max(r, 1/r) exceeds it)")
-
-
-@dataclass
-class NoopConfig(BackendConfig):
-    """A backend that does no work (``ablate/backends/noop.py``): overhead benchmarks, sweep tests."""
-
-    name: str = "noop"
-    steps: int = 1
-    reward: float = 0.0
-    fail_seeds: list[int] = field(default_factory=list)
-    fail_at_step: int = 0
-    #: Seconds each step sleeps: lets tests interrupt or kill a sweep in the middle of a cell.
-    step_seconds: float = 0.0
-
-    def check(self) -> None:
-        k = self.KEY
-        require_int(f"{k}.steps", self.steps, 1)
-        require(is_number(self.reward), f"{k}.reward", self.reward, "a finite number")
-        require_int(f"{k}.fail_at_step", self.fail_at_step, 0, self.steps - 1, f"{k}.steps={self.steps}")
-        require(is_number(self.step_seconds) and self.step_seconds >= 0, f"{k}.step_seconds", self.step_seconds,
-                "a finite number of seconds >= 0")
-
-
-@dataclass
-class VerlCpuConfig:
-    """``backend=verl_cpu``: verl's ``main_ppo`` on a CPU (``ablate/backends/verl/cpu``, docs/verl-cpu.md)."""
-
-    #: Standard deviation of the noise on the CPU rollout's router logits (logit units): how far
-    #: its routes are from the trainer's. 0 makes them agree up to float rounding.
-    router_noise: float = 0.03
-    #: Where the tiny model, tokenizer and prompts are made; null: a cache folder in the user's home.
-    assets_dir: Optional[str] = None
-
-
-@dataclass
-class VerlConfig(BackendConfig):
-    """The verl backend: one verl ``main_ppo`` run per cell (see ``ablate/backends/verl``)."""
-
-    name: str = "verl"
-    config_dir: Optional[str] = None
-    config_name: str = "ablate_ppo"
-    overrides: list[str] = field(default_factory=list)
-    dry_run: bool = False
-    #: Set: the cell runs on the CPU stand-in instead of GPUs.
-    cpu: Optional[VerlCpuConfig] = None
-
-    def check(self) -> None:
-        k = self.KEY
-        if self.cpu is not None:
-            require(is_number(self.cpu.router_noise) and self.cpu.router_noise >= 0, f"{k}.cpu.router_noise",
-                    self.cpu.router_noise, "a finite standard deviation >= 0 (logit units)")
-        require(bool(self.config_name), f"{k}.config_name", self.config_name, "the name of a verl config file")
-        for override in self.overrides:
-            require("=" in override or override.startswith("~"), f"{k}.overrides", list(self.overrides),
-                    f"Hydra overrides of verl's config such as trainer.total_training_steps=100, not {override!r}")
 
 
 # --- tracking and the whole app -----------------------------------------------------------
@@ -419,10 +257,6 @@ class AppConfig:
             require_int("trial", self.trial, 0)
         require(bool(self.store_dir), "store_dir", self.store_dir, "a directory for the run store")
         check_sweep_name(self.sweep)
-        if self.backend.name == "verl":  # the verl hook measures router-logit gradients only
-            estimator = choice_value(self.policy.fisher.estimator)
-            require(estimator == "router_logits", "policy.fisher.estimator", estimator,
-                    "router_logits with backend=verl (its hook measures router-logit gradients only)")
 
 
 #: A sweep name is one directory of the run store and a W&B group: one path component that can
@@ -438,7 +272,8 @@ def check_sweep_name(name: Any) -> str:
 
 
 def register_configs() -> None:
-    """Register the schemas as root-level ``base_*`` configs (idempotent).
+    """Register the schemas as root-level ``base_*`` configs (idempotent); each backend's schema
+    is registered with the backends (:func:`ablate.backends.register_backend_schemas`).
 
     Root level, not inside the ``policy``/``backend`` groups: a schema in a group would be offered
     as a choice (``policy=base_fisher``) by ``--help`` and tab completion.
@@ -446,7 +281,6 @@ def register_configs() -> None:
     store = ConfigStore.instance()
     for name, node in (
         ("base_config", AppConfig), ("base_policy", PolicyConfig), ("base_budgeted_policy", BudgetedPolicyConfig),
-        ("base_fisher", FisherPolicyConfig), ("base_synthetic", SyntheticConfig), ("base_verl", VerlConfig),
-        ("base_noop", NoopConfig),
+        ("base_fisher", FisherPolicyConfig),
     ):
         store.store(name=name, node=node)

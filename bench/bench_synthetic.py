@@ -30,8 +30,8 @@ from ablate.backends.synthetic import (
     sample_prompts,
     token_log_probs,
 )
+from ablate.backends.synthetic_config import BACKEND
 from ablate.cell import cell_from_config
-from ablate.config import SyntheticConfig
 
 
 def timed(function: Callable[[], object], repeats: int) -> tuple[float, float]:
@@ -52,7 +52,7 @@ def main() -> None:
     with initialize_config_module(config_module="ablate.conf", version_base="1.3"):
         cell, short = [cell_from_config(compose("config", overrides=["policy=full", *args.overrides, f"backend.steps={steps}"]))
                        for steps in (args.cell_steps, args.repeats + 1)]
-    cfg: SyntheticConfig = cell.backend  # type: ignore[assignment]
+    cfg = BACKEND.config_of(cell)
     torch.set_num_threads(cfg.threads)
     torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # imports torch's compiler stack once, outside every timing
 

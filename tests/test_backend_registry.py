@@ -3,7 +3,9 @@
 import pytest
 
 from ablate.backends import BACKENDS, Backend, get_backend
-from ablate.config import ConfigError, NoopConfig, SyntheticConfig
+from ablate.backends.noop import NoopConfig
+from ablate.backends.synthetic_config import SyntheticConfig
+from ablate.config import ConfigError
 from conftest import compose_config
 
 
@@ -18,8 +20,8 @@ def test_each_builtin_backend_is_one_object_with_its_config_class():
 def test_an_unknown_backend_or_a_wrong_object_is_one_clear_line(monkeypatch):
     with pytest.raises(ConfigError, match=r"backend='nope': expected one of noop, synthetic, verl .*group ablate\.backends"):
         get_backend("nope")
-    monkeypatch.setitem(BACKENDS, "noop", "ablate.backends.synthetic:BACKEND")
-    with pytest.raises(ConfigError, match=r"backend='noop' at ablate.backends.synthetic:BACKEND is .*named 'noop'"):
+    monkeypatch.setitem(BACKENDS, "noop", "ablate.backends.synthetic_config:BACKEND")
+    with pytest.raises(ConfigError, match=r"backend='noop' at ablate.backends.synthetic_config:BACKEND is .*named 'noop'"):
         get_backend("noop")
 
 

@@ -11,7 +11,8 @@ import pytest
 from conftest import compose_config
 
 from ablate.backends import BACKENDS, Backend
-from ablate.config import NoopConfig, SyntheticConfig
+from ablate.backends.noop import NoopConfig
+from ablate.backends.synthetic_config import SyntheticConfig
 from ablate.cell import ConfigError, cell_from_config
 from ablate.diagnostics import SCHEMA, SCHEMA_VERSION, validate_record
 from ablate.runner import run_cell
@@ -105,7 +106,7 @@ def test_failing_cell_is_recorded_with_error_and_traceback(tmp_path, monkeypatch
     (run_dir,) = find_offline_runs(cell / "wandb")
     assert read_offline_run(run_dir).exit_code == 1
     # A rerun is a new attempt of the same cell.
-    monkeypatch.setitem(BACKENDS, "synthetic", "ablate.backends.synthetic:BACKEND")
+    monkeypatch.setitem(BACKENDS, "synthetic", "ablate.backends.synthetic_config:BACKEND")
     run_cell(cfg)
     assert read_json(cell / "status.json")["attempt"] == 2
 

@@ -26,7 +26,7 @@ from ablate.backends.synthetic import (
     token_log_probs,
 )
 from ablate.cell import cell_from_config
-from ablate.config import SyntheticConfig
+from ablate.backends.synthetic_config import SyntheticConfig
 from ablate.diagnostics import validate_record
 
 

@@ -1,11 +1,17 @@
 """Backends run one cell. Each is one :class:`Backend` object, defined beside its implementation.
 
-The registry knows the built-ins by where their object lives (each is imported only when a cell
-asks for it: verl is heavy), and an installed package adds its own through an entry point in
-group ``ablate.backends`` (``name = "module:BACKEND"``). A backend's config schema extends
-:class:`ablate.config.BackendConfig`; the built-ins' schemas sit in :mod:`ablate.config` so that
-composing a config never imports torch, and a plugin's is offered as ``backend=<name>`` by
-:func:`register_backend_options`.
+A backend's object holds its name, its config class (extending :class:`BackendConfig`), how it
+runs a cell, its optional preflight and what it supports. The object lives in a module that
+imports no heavy library (the built-ins' are ``noop.py``, ``synthetic_config.py`` and
+``verl/config.py``): composing a config registers every backend's schema, and ``--help`` must not
+wait for torch. A backend whose run needs torch or verl names it with :func:`deferred`, imported
+when a cell runs.
+
+The registry knows the built-ins by where their object lives, and an installed package adds its
+own through an entry point in group ``ablate.backends`` (``name = "module:BACKEND"``).
+:func:`register_backend_schemas`, the one place backends are registered with Hydra, stores each
+backend's config class as the schema ``base_<name>`` that ``conf/backend/*.yaml`` extend, and
+offers a backend without a YAML file in ``ablate.conf`` as ``backend=<name>``.
 """
 
 from __future__ import annotations
@@ -18,10 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from ablate.config import BackendConfig, ConfigError
+from ablate.config import BackendConfig, ConfigError, Estimator
 
 if TYPE_CHECKING:
     from ablate.cell import Cell
+
+__all__ = ["Backend", "BackendConfig", "RunContext", "backend_names", "deferred", "get_backend",
+           "register_backend_schemas"]
 
 C = TypeVar("C", bound=BackendConfig)
 
@@ -42,19 +51,24 @@ class RunContext:
 
 @dataclass(frozen=True)
 class Backend(Generic[C]):
-    """One backend: its name, its config schema, how it runs a cell, and its optional preflight.
+    """One backend: its name, its config schema, how it runs a cell, its preflight, what it supports.
 
     ``run(cell, context)`` runs the cell's steps, calling ``context.log_step`` after each.
     ``preflight(cell)``, for backends that launch another program, checks the launch the cell
     would make and returns its command. The runner calls it before the cell's directory is
     written, so a launch that cannot work (verl missing, a config verl refuses) fails as a bad
-    config, and ``backend.dry_run=true`` prints it.
+    config, and ``backend.dry_run=true`` prints it. A cell asking for what the backend does not
+    support (probes, another Fisher estimator) fails as a bad config before anything is written.
     """
 
     name: str
     config: type[C]
     run: Callable[[Cell, RunContext], None]
     preflight: Callable[[Cell], str] | None = None
+    #: Whether it scores counterfactual probes (docs/probes.md).
+    scores_probes: bool = False
+    #: The Fisher estimators (``policy.fisher.estimator``) it measures.
+    fisher_estimators: tuple[str, ...] = tuple(estimator.value for estimator in Estimator)
 
     def config_of(self, cell: Cell) -> C:
         """The cell's backend settings, as this backend's own config class."""
@@ -63,18 +77,24 @@ class Backend(Generic[C]):
         return cell.backend
 
 
+def deferred(target: str) -> Callable[..., Any]:
+    """The function ``"module:function"``, its module imported at the first call, not before."""
+    module, attribute = target.split(":")
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), attribute)(*args, **kwargs)
+
+    call.__qualname__ = call.__name__ = target
+    return call
+
+
 #: backend name -> "module:object" of its :class:`Backend`.
 BACKENDS = {
-    "synthetic": "ablate.backends.synthetic:BACKEND",
-    "verl": "ablate.backends.verl.backend:BACKEND",
+    "synthetic": "ablate.backends.synthetic_config:BACKEND",
+    "verl": "ablate.backends.verl.config:BACKEND",
     "noop": "ablate.backends.noop:BACKEND",
 }
 _entry_points_loaded = False
-
-
-#: Backends that score counterfactual probes (docs/probes.md); a cell with probes on another fails
-#: as a bad config rather than run without them.
-PROBE_BACKENDS = ("synthetic",)
 
 
 def _installed() -> dict[str, str]:
@@ -104,11 +124,23 @@ def get_backend(name: str) -> Backend[Any]:
     return backend
 
 
-def register_backend_options() -> None:
-    """Offer each installed backend's config schema as an option of the ``backend`` config group."""
+def register_backend_schemas() -> None:
+    """Register every backend's config class with Hydra (idempotent): the one place this is done.
+
+    Each is stored at the root as ``base_<name>``, the schema that ``conf/backend/<name>*.yaml``
+    (and a user's own backend YAML under ``--config-dir``) extend with ``/base_<name>@_here_``.
+    A backend without a ``conf/backend/<name>.yaml`` in ``ablate.conf`` (a plugin's) is also
+    offered as the ``backend=<name>`` option; storing one beside a file of the same name would
+    make Hydra merge the two, with a deprecation warning.
+    """
+    from importlib import resources
+
     from hydra.core.config_store import ConfigStore
 
+    shipped = resources.files("ablate.conf").joinpath("backend")
     store = ConfigStore.instance()
-    for point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        backend = get_backend(point.name)
-        store.store(group="backend", name=backend.name, node=backend.config(name=backend.name))
+    for name in backend_names():
+        backend = get_backend(name)
+        store.store(name=f"base_{name}", node=backend.config)
+        if not shipped.joinpath(f"{name}.yaml").is_file():
+            store.store(group="backend", name=name, node=backend.config(name=name))

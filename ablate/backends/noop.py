@@ -9,10 +9,35 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ablate.backends import Backend, RunContext
-from ablate.cell import Cell
-from ablate.config import NoopConfig
+from ablate.config import BackendConfig, is_number, require, require_int
+
+if TYPE_CHECKING:  # the cell module imports torch; composing a config imports this one
+    from ablate.cell import Cell
+
+
+@dataclass
+class NoopConfig(BackendConfig):
+    """``backend=noop``: how many steps it logs, the reward it logs, which seeds fail and when."""
+
+    name: str = "noop"
+    steps: int = 1
+    reward: float = 0.0
+    fail_seeds: list[int] = field(default_factory=list)
+    fail_at_step: int = 0
+    #: Seconds each step sleeps: lets tests interrupt or kill a sweep in the middle of a cell.
+    step_seconds: float = 0.0
+
+    def check(self) -> None:
+        k = self.KEY
+        require_int(f"{k}.steps", self.steps, 1)
+        require(is_number(self.reward), f"{k}.reward", self.reward, "a finite number")
+        require_int(f"{k}.fail_at_step", self.fail_at_step, 0, self.steps - 1, f"{k}.steps={self.steps}")
+        require(is_number(self.step_seconds) and self.step_seconds >= 0, f"{k}.step_seconds", self.step_seconds,
+                "a finite number of seconds >= 0")
 
 
 class PlannedFailure(RuntimeError):

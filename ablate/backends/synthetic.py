@@ -45,10 +45,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ablate.backends import Backend, RunContext
+from ablate.backends import RunContext
+from ablate.backends.synthetic_config import BACKEND, SyntheticConfig
 from ablate.budget import check_budget
 from ablate.cell import Cell, policy_for
-from ablate.config import SyntheticConfig, choice_value
+from ablate.config import choice_value
 from ablate.diagnostics import mismatch_metrics, replay_metrics, route_diagnostics
 from ablate.fisher import FisherTracker, GradientCapture, expert_output_sq_grads, linear_param_sq_grads, router_logit_sq_grads
 from ablate.policies import PolicySpec, ReplayPolicy
@@ -567,5 +568,3 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
 def run(cell: Cell, context: RunContext) -> None:
     run_cell_steps(cell, context.log_step)
 
-
-BACKEND = Backend(name="synthetic", config=SyntheticConfig, run=run)

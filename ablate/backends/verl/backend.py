@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ablate.backends import Backend, RunContext
+from ablate.backends import RunContext
+from ablate.backends.verl.config import BACKEND
 from ablate.backends.verl.hook import HookSettings
 from ablate.backends.verl.launch import (
     check_cell_config,
@@ -36,7 +37,6 @@ from ablate.backends.verl.liveness import check_step
 from ablate.backends.verl.metrics import ACTOR_PREFIX
 from ablate.backends.verl.processes import stop_tree
 from ablate.cell import Cell
-from ablate.config import VerlConfig, choice_value
 from ablate.diagnostics import SCHEMA
 
 def default_config_dir() -> Path:
@@ -169,5 +169,3 @@ def run_cell_steps(cell: Cell, log_step: Callable[..., None], directory: Path) -
 def run(cell: Cell, context: RunContext) -> None:
     run_cell_steps(cell, context.log_step, context.directory)
 
-
-BACKEND = Backend(name="verl", config=VerlConfig, run=run, preflight=dry_run_command)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ablate.backends.verl.cpu import PLUGIN_MODULE, ROUTER_NOISE_ENV, assets, reward
-from ablate.config import VerlCpuConfig
+from ablate.backends.verl.config import VerlCpuConfig
 
 
 def environment(settings: VerlCpuConfig) -> dict[str, str]:

@@ -1,0 +1,55 @@
+"""The verl backend as the registry sees it: its settings and its :class:`Backend` object.
+
+The launch it makes is :mod:`ablate.backends.verl.backend`, imported when a cell runs or is
+checked: composing a config imports this module only (no torch, no verl).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ablate.backends import Backend, deferred
+from ablate.config import BackendConfig, Estimator, is_number, require
+
+
+@dataclass
+class VerlCpuConfig:
+    """``backend=verl_cpu``: verl's ``main_ppo`` on a CPU (``ablate/backends/verl/cpu``, docs/verl-cpu.md)."""
+
+    #: Standard deviation of the noise on the CPU rollout's router logits (logit units): how far
+    #: its routes are from the trainer's. 0 makes them agree up to float rounding.
+    router_noise: float = 0.03
+    #: Where the tiny model, tokenizer and prompts are made; null: a cache folder in the user's home.
+    assets_dir: Optional[str] = None
+
+
+@dataclass
+class VerlConfig(BackendConfig):
+    """The verl backend: one verl ``main_ppo`` run per cell (see ``ablate/backends/verl``)."""
+
+    name: str = "verl"
+    config_dir: Optional[str] = None
+    config_name: str = "ablate_ppo"
+    overrides: list[str] = field(default_factory=list)
+    dry_run: bool = False
+    #: Set: the cell runs on the CPU stand-in instead of GPUs.
+    cpu: Optional[VerlCpuConfig] = None
+
+    def check(self) -> None:
+        k = self.KEY
+        if self.cpu is not None:
+            require(is_number(self.cpu.router_noise) and self.cpu.router_noise >= 0, f"{k}.cpu.router_noise",
+                    self.cpu.router_noise, "a finite standard deviation >= 0 (logit units)")
+        require(bool(self.config_name), f"{k}.config_name", self.config_name, "the name of a verl config file")
+        for override in self.overrides:
+            require("=" in override or override.startswith("~"), f"{k}.overrides", list(self.overrides),
+                    f"Hydra overrides of verl's config such as trainer.total_training_steps=100, not {override!r}")
+
+
+BACKEND = Backend(
+    name="verl", config=VerlConfig, run=deferred("ablate.backends.verl.backend:run"),
+    preflight=deferred("ablate.backends.verl.backend:dry_run_command"),
+    # The worker hook measures router-logit gradients only.
+    fisher_estimators=(Estimator.router_logits.value,),
+)
