@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ablate.analysis.outcomes import check_objective
 from ablate.arms import arm_name
-from ablate.backends import PROBE_BACKENDS
+from ablate.backends import get_backend
 from ablate.budget import budget_label, check_budget
 from ablate.config import AppConfig, BackendConfig, ConfigError, FisherEstimateConfig, choice_value
 from ablate.diagnostics import SCHEMA_VERSION
@@ -126,9 +126,9 @@ def cell_from_config(cfg: DictConfig) -> Cell:
         get_policy(name, **settings)  # checks the settings now rather than in the middle of a run
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    if resolved["probes"] and app.backend.name not in PROBE_BACKENDS:
+    if resolved["probes"] and not get_backend(app.backend.name).scores_probes:
         raise ConfigError(f"probes={[row['id'] for row in resolved['probes']]} with backend={app.backend.name}: "
-                          f"expected no probes (only {', '.join(PROBE_BACKENDS)} scores them so far)")
+                          "expected no probes (this backend does not score them)")
     identity = {k: v for k, v in resolved.items() if k not in NOT_IDENTITY}
     cell_id = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
     backend, fisher = app.backend, app.policy.fisher

@@ -55,6 +55,9 @@ class Backend(Generic[C]):
     config: type[C]
     run: Callable[[Cell, RunContext], None]
     preflight: Callable[[Cell], str] | None = None
+    #: Whether ``run`` scores the cell's counterfactual probes (docs/probes.md); a cell with probes
+    #: on a backend that does not fails as a bad config rather than run without them.
+    scores_probes: bool = False
 
     def config_of(self, cell: Cell) -> C:
         """The cell's backend settings, as this backend's own config class."""
@@ -70,11 +73,6 @@ BACKENDS = {
     "noop": "ablate.backends.noop:BACKEND",
 }
 _entry_points_loaded = False
-
-
-#: Backends that score counterfactual probes (docs/probes.md); a cell with probes on another fails
-#: as a bad config rather than run without them.
-PROBE_BACKENDS = ("synthetic",)
 
 
 def _installed() -> dict[str, str]:

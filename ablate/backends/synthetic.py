@@ -568,4 +568,4 @@ def run(cell: Cell, context: RunContext) -> None:
     run_cell_steps(cell, context.log_step)
 
 
-BACKEND = Backend(name="synthetic", config=SyntheticConfig, run=run)
+BACKEND = Backend(name="synthetic", config=SyntheticConfig, run=run, scores_probes=True)
