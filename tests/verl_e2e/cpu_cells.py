@@ -13,6 +13,8 @@ import pytest
 POLICIES = ("none", "full", "random", "uniform", "fisher", "mismatch")
 BUDGET = 0.5
 CELLS = {"none": "none-s0", "full": "full-s0", **{p: f"{p}-b{BUDGET}-s0" for p in POLICIES[2:]}}
+#: The probes every policy cell scores on every step (docs/probes.md).
+PROBES = ("none", "full", f"random@{BUDGET}")
 
 
 def needs_verl_runtime() -> None:
