@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cpu_cells import BUDGET, POLICIES, PROBES, run_ablate
+from cpu_cells import BUDGET, POLICIES, PROBE_OVERRIDES, run_ablate
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +32,7 @@ def policy_store(tmp_path_factory, assets) -> Path:
     store = tmp_path_factory.mktemp("cpu-policies") / "runs"
     store.mkdir()
     done, seconds = run_ablate(store, assets, "-m", f"policy={','.join(POLICIES)}", f"budget={BUDGET}", "seed=0",
-                               "sweep=cpu", "tracking.mode=offline", f"probes=[{','.join(PROBES)}]", "probe_every=1")
+                               "sweep=cpu", "tracking.mode=offline", *PROBE_OVERRIDES)
     print(f"\n{len(POLICIES)} verl CPU cells in one multirun: {seconds:.0f} s wall")
     assert done.returncode == 0, (done.stdout[-4000:], done.stderr[-4000:])
     assert f"sweep cpu: {len(POLICIES)} complete, 0 failed, 0 skipped" in done.stdout + done.stderr
