@@ -140,7 +140,8 @@ def build_command(cell: Cell, metrics_file: Path, *, launch: bool = True) -> tup
     check_cell_config(draft, cell.policy, cell.plugins)
     settings = dataclasses.replace(settings, update_epochs=update_epochs(draft))
     overrides = [*verl_overrides(settings), *own]
-    check_cell_config(compose(config_dir, cfg.config_name, overrides), cell.policy, cell.plugins)
+    check_cell_config(compose(config_dir, cfg.config_name, overrides), cell.policy, cell.plugins,
+                      [probe.id for probe in cell.probes])
     command = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={config_dir.resolve()}",
                f"--config-name={cfg.config_name}", *overrides]
     return command, env
