@@ -224,3 +224,74 @@ def test_hook_settings_carry_probes_through_json():
     settings = HookSettings(PolicySpec("random"), 0.5, 1, probes=parse_probes(["none", "fisher@0.25:tau=1.0"]),
                             probe_every=3)
     assert HookSettings.from_json(settings.to_json()) == settings
+
+
+# --- over ranks: each data-parallel replica's share, once, in rank order ---------------------------
+
+SEQUENCES = [(3, 4), (5, 2), (2, 6), (4, 5), (6, 1)]  # (prompt, response) lengths of the whole batch
+
+
+def padded_shard(rows):
+    """The legacy trainer's batch and a pass's jagged output for ``rows`` of one fixed batch."""
+    from tensordict import TensorDict
+
+    from verl.utils import tensordict_utils as tu
+
+    generator = torch.Generator().manual_seed(11)
+    width = max(p for p, _ in SEQUENCES), max(r for _, r in SEQUENCES)
+    every = [(torch.randn(p + r, generator=generator) - 2, -torch.rand(width[1], generator=generator))
+             for p, r in SEQUENCES]
+    attention = torch.zeros(len(rows), sum(width), dtype=torch.long)
+    response_mask = torch.zeros(len(rows), width[1], dtype=torch.long)
+    for index, row in enumerate(rows):
+        prompt, response = SEQUENCES[row]
+        attention[index, width[0] - prompt:width[0] + response] = 1
+        response_mask[index, :response] = 1
+    data = TensorDict({"attention_mask": attention, "response_mask": response_mask,
+                       "prompts": torch.zeros(len(rows), width[0], dtype=torch.long),
+                       "responses": torch.zeros(len(rows), width[1], dtype=torch.long),
+                       "rollout_log_probs": torch.stack([every[row][1] for row in rows])}, batch_size=[len(rows)])
+    tu.assign_non_tensor(data, max_response_len=width[1])
+    output = {"model_output": {"log_probs": torch.nested.as_nested_tensor([every[row][0] for row in rows],
+                                                                          layout=torch.jagged)}}
+    return output, data
+
+
+def score_on_rank(rank, port, shares, out):
+    """One gloo rank: ``shares[rank]`` is (its rows, whether it is the rank with outputs)."""
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    from ablate.backends.verl.probes import probe_mismatch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=len(shares))
+    rows, has_outputs = shares[rank]
+    output, data = padded_shard(rows)
+    with open(f"{out}.{rank}", "w") as handle:
+        json.dump(probe_mismatch(output, data, has_outputs), handle)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shares", [
+    [([0, 1], True), ([2, 3, 4], True)],  # data parallel: each replica scores its share
+    # tensor or pipeline parallel: one rank with outputs; what another holds must not count
+    [([0, 1, 2, 3, 4], True), ([4, 4], False)],
+], ids=["data-parallel", "one-rank-with-outputs"])
+def test_ranks_together_give_the_trainers_keys_of_the_whole_batch(tmp_path, shares):
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(score_on_rank, args=(port, shares, str(tmp_path / "keys")), nprocs=len(shares))
+    output, data = padded_shard(list(range(len(SEQUENCES))))
+    whole = trainer_mismatch(output["model_output"], data)
+    for rank in range(len(shares)):
+        assert json.loads((tmp_path / f"keys.{rank}").read_text()) == whole, rank
