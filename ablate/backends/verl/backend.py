@@ -2,11 +2,12 @@
 
 verl writes its per-step metrics with its own ``file`` logger (JSON lines, path set through
 ``VERL_FILE_LOGGER_PATH``); this module follows that file while verl runs and hands every step to
-the cell runner: the schema keys the worker hook emits (``replay/``, ``routing/`` and a probed step's
-``probe/<id>/...``, which verl prefixes with ``actor/`` like every actor metric), verl's training and rollout-correction
-metrics mapped onto ``train/`` and ``mismatch/``, and every other numeric verl metric beside
-them under its own name (``rollout_corr/*``, ``training/rollout_probs_diff_*``, ...), outside the
-schema; the mapped ones are kept under their verl names too.
+the cell runner: the schema keys the worker hook emits (``replay/``, ``routing/`` and, on a probed
+step, ``probe/<id>/...``, which verl prefixes with ``actor/`` like every actor metric), verl's
+training and rollout-correction metrics mapped onto ``train/`` and ``mismatch/``, and every other
+numeric verl metric beside them under its own name (``rollout_corr/*``,
+``training/rollout_probs_diff_*``, ...), outside the schema; the mapped ones are kept under their
+verl names too.
 """
 
 from __future__ import annotations
