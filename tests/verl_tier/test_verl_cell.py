@@ -35,6 +35,11 @@ def test_split_metrics_maps_verl_training_metrics_and_keeps_native_names():
     assert set(VERL_KEYS.values()) <= set(SCHEMA)
     record, _ = split_metrics({"actor/replay/fisher_mass": None, "actor/other": None})  # verl logs NaN as null
     assert list(record) == ["replay/fisher_mass"] and math.isnan(record["replay/fisher_mass"])
+    # a probed step's keys come back under their schema names, NaN ones (none's override rate) too
+    record, native = split_metrics({"actor/probe/random@0.5/mismatch/kl_k3": 0.02,
+                                    "actor/probe/none/replay/override_rate": None, "actor/probe/x": 1.0})
+    assert record["probe/random@0.5/mismatch/kl_k3"] == 0.02 and math.isnan(record["probe/none/replay/override_rate"])
+    assert native == {"actor/probe/x": 1.0}
 
 
 @pytest.mark.parametrize("policy, budget, mode", [
