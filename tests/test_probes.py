@@ -84,6 +84,14 @@ def test_a_backend_that_scores_no_probes_refuses_them():
     assert cell_from_config(compose_config("backend=noop", "policy=none", tiny=False)).probes == ()
 
 
+@pytest.mark.parametrize("backend", ["verl", "verl_cpu"])
+def test_verl_backends_score_probes(backend):
+    from ablate.backends import get_backend
+
+    cell = cell_from_config(compose_config(f"backend={backend}", "policy=none", "probes=[none,random@0.5]", tiny=False))
+    assert get_backend(cell.backend.name).scores_probes and [probe.id for probe in cell.probes] == ["none", "random@0.5"]
+
+
 def test_probe_keys_are_validated_like_schema_keys():
     assert split_probe_key("probe/fisher@0.25:tau=1/mismatch/kl_k3") == ("fisher@0.25:tau=1", "mismatch/kl_k3")
     assert split_probe_key("mismatch/kl_k3") is None

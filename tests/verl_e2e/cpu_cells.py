@@ -13,6 +13,10 @@ import pytest
 POLICIES = ("none", "full", "random", "uniform", "fisher", "mismatch")
 BUDGET = 0.5
 CELLS = {"none": "none-s0", "full": "full-s0", **{p: f"{p}-b{BUDGET}-s0" for p in POLICIES[2:]}}
+#: The probes every policy cell scores on every step (docs/probes.md), and their overrides: part
+#: of a cell's identity, so every command that is to find these cells again passes them too.
+PROBES = ("none", "full", f"random@{BUDGET}")
+PROBE_OVERRIDES = (f"probes=[{','.join(PROBES)}]", "probe_every=1")
 
 
 def needs_verl_runtime() -> None:

@@ -11,7 +11,7 @@ import math
 import pandas as pd
 import pytest
 
-from cpu_cells import BUDGET, CELLS, POLICIES, cell_dir, needs_verl_runtime
+from cpu_cells import BUDGET, CELLS, POLICIES, PROBES, cell_dir, needs_verl_runtime
 
 needs_verl_runtime()
 pytestmark = [pytest.mark.slow, pytest.mark.verl]
@@ -99,3 +99,23 @@ def test_fisher_falls_back_on_its_first_step_only(policy_store):
     assert math.isnan(fisher["replay/fisher_mass"].iloc[0])
     assert (fisher["replay/fisher_mass"].iloc[1:] > 0).all()
     assert (fisher["replay/fisher_mass"].iloc[1:] <= 1).all()
+
+
+def test_probes_with_the_cells_mask_reproduce_its_keys_exactly(policy_store):
+    from ablate.diagnostics import SCHEMA
+    from ablate.diagnostics.schema import PROBE_KEYS, probe_key
+
+    mismatch = [key for key in SCHEMA if key.startswith("mismatch/")]
+    for policy in POLICIES:
+        frame = records(policy_store, policy)
+        missing = [probe_key(probe, key) for probe in PROBES for key in PROBE_KEYS if probe_key(probe, key) not in frame]
+        assert not missing, (policy, missing)
+    for policy in ("none", "full"):
+        frame = records(policy_store, policy)
+        for key in (*mismatch, "replay/budget_realized"):
+            assert frame[probe_key(policy, key)].tolist() == frame[key].tolist(), (policy, key)
+    # random@0.5 draws its own mask at the cell's exact budget: the same count, other routes
+    random = records(policy_store, "random")
+    probe = f"random@{BUDGET}"
+    assert random[probe_key(probe, "replay/budget_realized")].tolist() == random["replay/budget_realized"].tolist()
+    assert random[probe_key(probe, "mismatch/kl_k3")].tolist() != random["mismatch/kl_k3"].tolist()

@@ -17,12 +17,12 @@ import time
 import psutil
 import pytest
 
-from cpu_cells import CELLS, ablate_command, cell_dir, needs_verl_runtime, run_ablate
+from cpu_cells import CELLS, PROBE_OVERRIDES, ablate_command, cell_dir, needs_verl_runtime, run_ablate
 
 needs_verl_runtime()
 pytestmark = [pytest.mark.slow, pytest.mark.verl]
 
-GRID = ("-m", "policy=none,random", "budget=0.5", "seed=0,1", "sweep=cpu", "tracking.mode=offline")
+GRID = ("-m", "policy=none,random", "budget=0.5", "seed=0,1", "sweep=cpu", "tracking.mode=offline", *PROBE_OVERRIDES)
 
 
 def logged_steps(cell) -> int:

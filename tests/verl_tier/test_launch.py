@@ -165,6 +165,19 @@ def test_dynamic_context_parallel_is_refused_for_hooked_policies():
     check_cell_config(composed(settings_for("full", 1.0, {}), dcp), "full")
 
 
+@pytest.mark.parametrize("override,message", [
+    ("algorithm.rollout_correction.bypass_mode=True", "probes run in the old-log-prob pass, which bypass mode skips"),
+    ("actor_rollout_ref.rollout.calculate_log_probs=False", "probes compare with the rollout's log-probs"),
+    ("actor_rollout_ref.actor.megatron.dynamic_context_parallel=True", "probe passes follow verl's static micro-batches"),
+])
+def test_probes_that_could_not_be_scored_are_refused_before_launch(override, message):
+    for policy, budget, extra in POLICIES:
+        config = composed(settings_for(policy, budget, extra), override)
+        with pytest.raises(VerlLaunchError, match=rf"^probes=\[none,random@0.5\] with .*{message}"):
+            check_cell_config(config, policy, probes=["none", "random@0.5"])
+    check_cell_config(composed(settings_for("random", 0.2, {})), "random", probes=["none", "random@0.5"])
+
+
 def test_update_epochs_come_from_the_composed_config():
     assert update_epochs(composed(settings_for("random", 0.2, {}), "actor_rollout_ref.actor.ppo_epochs=3")) == 3
 

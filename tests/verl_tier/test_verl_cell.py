@@ -35,6 +35,11 @@ def test_split_metrics_maps_verl_training_metrics_and_keeps_native_names():
     assert set(VERL_KEYS.values()) <= set(SCHEMA)
     record, _ = split_metrics({"actor/replay/fisher_mass": None, "actor/other": None})  # verl logs NaN as null
     assert list(record) == ["replay/fisher_mass"] and math.isnan(record["replay/fisher_mass"])
+    # a probed step's keys come back under their schema names, NaN ones (none's override rate) too
+    record, native = split_metrics({"actor/probe/random@0.5/mismatch/kl_k3": 0.02,
+                                    "actor/probe/none/replay/override_rate": None, "actor/probe/x": 1.0})
+    assert record["probe/random@0.5/mismatch/kl_k3"] == 0.02 and math.isnan(record["probe/none/replay/override_rate"])
+    assert native == {"actor/probe/x": 1.0}
 
 
 @pytest.mark.parametrize("policy, budget, mode", [
@@ -92,13 +97,14 @@ def test_the_hook_settings_carry_the_cell_and_verl_update_epochs(tmp_path):
 
     cell = cell_from_config(verl_cell_config(
         tmp_path, "policy=fisher", "budget=0.25", "seed=4", "policy.tau=0.5", "policy.fisher.decay=0.7",
-        "backend.overrides=['actor_rollout_ref.actor.ppo_epochs=2']"))
+        "backend.overrides=['actor_rollout_ref.actor.ppo_epochs=2']", "probes=[none,random@0.5]", "probe_every=3"))
     command, _ = build_command(cell, tmp_path / "m.jsonl")
     (override,) = [part for part in command if HookSettings.ENV in part]
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     settings = HookSettings.from_json(OverridesParser.create().parse_override(override).value())
-    assert settings == HookSettings(cell.policy_spec(), 0.25, 4, update_epochs=2)
+    assert settings == HookSettings(cell.policy_spec(), 0.25, 4, update_epochs=2, probes=cell.probes, probe_every=3)
+    assert [probe.id for probe in settings.probes] == ["none", "random@0.5"]
     assert settings.policy.settings == {"per_layer": False, "tau": 0.5} and settings.policy.fisher_decay == 0.7
     assert "actor_rollout_ref.rollout.seed=4" in command
     # The variant puts '=' and ',' into the cell name; verl's composition keeps it whole.

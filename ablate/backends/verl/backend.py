@@ -2,11 +2,12 @@
 
 verl writes its per-step metrics with its own ``file`` logger (JSON lines, path set through
 ``VERL_FILE_LOGGER_PATH``); this module follows that file while verl runs and hands every step to
-the cell runner: the schema keys the worker hook emits (``replay/``, ``routing/``, which verl
-prefixes with ``actor/`` like every actor metric), verl's training and rollout-correction
-metrics mapped onto ``train/`` and ``mismatch/``, and every other numeric verl metric beside
-them under its own name (``rollout_corr/*``, ``training/rollout_probs_diff_*``, ...), outside the
-schema; the mapped ones are kept under their verl names too.
+the cell runner: the schema keys the worker hook emits (``replay/``, ``routing/`` and, on a probed
+step, ``probe/<id>/...``, which verl prefixes with ``actor/`` like every actor metric), verl's
+training and rollout-correction metrics mapped onto ``train/`` and ``mismatch/``, and every other
+numeric verl metric beside them under its own name (``rollout_corr/*``,
+``training/rollout_probs_diff_*``, ...), outside the schema; the mapped ones are kept under their
+verl names too.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from ablate.backends.verl.metrics import ACTOR_PREFIX
 from ablate.backends.verl.processes import stop_tree
 from ablate.cell import Cell
 from ablate.diagnostics import SCHEMA
+from ablate.diagnostics.schema import split_probe_key
 
 def default_config_dir() -> Path:
     """Where ``backend.config_name`` is looked up when ``backend.config_dir`` is null.
@@ -77,11 +79,12 @@ def split_metrics(data: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, 
     native: dict[str, float] = {}
     for key, value in data.items():
         hook_key = key.removeprefix(ACTOR_PREFIX)
-        if value is None and hook_key in SCHEMA:
+        ours = hook_key in SCHEMA or split_probe_key(hook_key) is not None
+        if value is None and ours:
             value = float("nan")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        if hook_key in SCHEMA:
+        if ours:
             record[hook_key] = float(value)
         elif key in VERL_KEYS:
             mapped.setdefault(VERL_KEYS[key], float(value))
@@ -132,12 +135,14 @@ def build_command(cell: Cell, metrics_file: Path, *, launch: bool = True) -> tup
     # Quoted: a settings variant puts '=' and ',' in the name (fisher+tau=0.5-b0.25-s4).
     own = [*cpu, "trainer.logger=[console,file]", f"trainer.experiment_name={hydra_string(cell.name)}",
            *cfg.overrides]
-    settings = HookSettings(policy=cell.policy_spec(), budget=cell.budget, seed=cell.seed)
+    settings = HookSettings(policy=cell.policy_spec(), budget=cell.budget, seed=cell.seed, probes=cell.probes,
+                            probe_every=cell.probe_every)
     draft = compose(config_dir, cfg.config_name, [*verl_overrides(settings), *own])
     check_cell_config(draft, cell.policy, cell.plugins)
     settings = dataclasses.replace(settings, update_epochs=update_epochs(draft))
     overrides = [*verl_overrides(settings), *own]
-    check_cell_config(compose(config_dir, cfg.config_name, overrides), cell.policy, cell.plugins)
+    check_cell_config(compose(config_dir, cfg.config_name, overrides), cell.policy, cell.plugins,
+                      [probe.id for probe in cell.probes])
     command = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={config_dir.resolve()}",
                f"--config-name={cfg.config_name}", *overrides]
     return command, env

@@ -11,7 +11,8 @@ split the layers. So (docs/design.md section 4, counting in parallel training):
 - what the routers saw (their native routes) is written by each rank into a buffer indexed by
   (token, layer) and summed over TP x CP, then over PP: every entry is written by exactly one
   rank, so the sum assembles the whole micro-batch on every rank;
-- Fisher sums of router-logit gradients are per (token, layer), so a world sum is exact.
+- Fisher sums of router-logit gradients are per (token, layer), so a world sum is exact;
+- a probe's per-token log-probs are gathered, not summed, in rank order (:mod:`.probes`).
 """
 
 from __future__ import annotations
@@ -73,6 +74,15 @@ def sum_over_world(values: Tensor) -> Tensor:
     reduced = values.to(collective_device()).clone()
     torch.distributed.all_reduce(reduced)
     return reduced.to(values.device)
+
+
+def gather_over_world(values: Tensor) -> Tensor:
+    """Every rank's 1-D CPU tensor, concatenated in rank order (ranks may hold different lengths)."""
+    if not distributed() or torch.distributed.get_world_size() == 1:
+        return values
+    parts: list[Tensor | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, values.cpu())
+    return torch.cat([part for part in parts if part is not None])
 
 
 def sum_counts_over_world(counts: dict[str, float]) -> dict[str, float]:

@@ -16,7 +16,10 @@ micro-batch order. The hook:
 - counts each micro-batch on one rank of its model-parallel group, pools the counts over the
   step's update calls and, at the step's last update call, sums them over the world and returns
   the step's ``replay/`` and ``routing/`` keys (:mod:`.metrics`); the Fisher estimate closes its
-  step there too.
+  step there too;
+- on a probed step (``probes``, ``probe_every``: docs/probes.md) runs one more forward-only pass
+  per probe in the old-log-prob call, after the pass verl gets, with the probe's own mask
+  (:mod:`.probes`); its counts and ``mismatch/`` keys join the step's keys as ``probe/<id>/...``.
 """
 
 from __future__ import annotations
@@ -31,10 +34,12 @@ from torch import Tensor
 from ablate.backends.verl import counters
 from ablate.backends.verl.metrics import step_metrics
 from ablate.backends.verl.patch import MICRO_BATCHES_KEY, CallInfo, augment_routes, split_augmented_targets
+from ablate.backends.verl.probes import ProbeRun, probe_run
 from ablate.backends.verl.selection import MicroBatchSelection, select_micro_batch, sequence_keys
 from ablate.budget import check_budget
 from ablate.diagnostics.metrics import ROUTE_COUNTS
-from ablate.policies import NoReplay, PolicySpec
+from ablate.policies import NoReplay, PolicySpec, ReplayPolicy
+from ablate.probes import Probe, is_probed, probe_record
 from ablate.routes import native_margin
 
 #: Sums pooled over a step and the world: the shared route counts and the fallback flag.
@@ -46,6 +51,7 @@ class HookSettings:
     """What a verl worker needs to replay one cell's routes, sent as one JSON environment variable.
 
     ``update_epochs`` is the run's ``actor.ppo_epochs``: each update epoch counts every route once.
+    ``probes`` are scored on the hook's steps 0, ``probe_every``, ... (the step's first call is 0).
     """
 
     ENV = "ABLATE_VERL_CELL"
@@ -54,6 +60,8 @@ class HookSettings:
     budget: float
     seed: int
     update_epochs: int = 1
+    probes: tuple[Probe, ...] = ()
+    probe_every: int = 1
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -61,7 +69,8 @@ class HookSettings:
     @classmethod
     def from_json(cls, text: str) -> HookSettings:
         fields = json.loads(text)
-        return cls(**{**fields, "policy": PolicySpec.from_dict(fields["policy"])})
+        probes = tuple(Probe(**row) for row in fields.get("probes", ()))
+        return cls(**{**fields, "policy": PolicySpec.from_dict(fields["policy"]), "probes": probes})
 
     @classmethod
     def from_env(cls) -> HookSettings | None:
@@ -87,6 +96,8 @@ class _Call:
     selections: dict[int, MicroBatchSelection] = field(default_factory=dict)
     #: micro-batches this rank counts (it holds the first MoE layer, TP and CP rank 0).
     counted: list[int] = field(default_factory=list)
+    #: a forward that replays a probe's mask, scored and dropped (:mod:`.probes`).
+    probe: ProbeRun | None = None
 
     def micro_batch(self, vp_rank: int, rows: int) -> int:
         """Index of the micro-batch a model chunk is given next; places it in the token order."""
@@ -116,11 +127,16 @@ class ReplayMaskHook:
         self.settings = settings
         policy = settings.policy.policy_class
         self.needs_native = policy.needs_native_routes
+        self._probes_need_native = any(
+            PolicySpec(probe.policy, plugins=settings.policy.plugins).policy_class.needs_native_routes
+            for probe in settings.probes)
         self.budget = check_budget(settings.budget, settings.policy.name, fixed=policy.fixed_budget)
         self.policy = self.tracker = None
         self._no_replay = NoReplay()  # a native pass replays nothing
         self._call: _Call | None = None
         self._native_routes: dict[bytes, tuple[Tensor, Tensor]] = {}
+        self._probe_policies: list[tuple[Probe, ReplayPolicy]] | None = None
+        self.step = 0  # the hook's own count of training steps: the one probe_every reads
         self._reset_step()
 
     def _reset_step(self) -> None:
@@ -129,19 +145,52 @@ class ReplayMaskHook:
         self._fisher_sums = self._fisher_counts = self._fisher_skipped = None
         self._native_routes.clear()
         self._native_pass_done = False
+        self._old_log_prob_seen = False
+        self.probe_keys: dict[str, float] = {}
 
     # ------------------------------------------------------------------------------ calls
     def needs_native_pass(self, info: CallInfo) -> bool:
-        """Whether ``mismatch`` must record native routes before this call replays its mask.
+        """Whether ``mismatch`` (the cell's, or a probe's on a probed step) needs native routes first.
 
         The step's first forward-only call is its old-log-prob pass. A later one in the same step
         (verl computes the reference log-probs in the actor when it trains a LoRA adapter) replays
         the masks already chosen. The flag is the same on every rank, so every rank runs the same
         passes and collectives.
         """
-        return self.needs_native and info.forward_only and not self._native_pass_done
+        if not info.forward_only or self._native_pass_done:
+            return False
+        return self.needs_native or (self._probes_need_native and self._probing(info))
 
-    def begin_call(self, info: CallInfo, *, native_pass: bool = False) -> None:
+    def _probing(self, info: CallInfo) -> bool:
+        """Whether this call is a probed step's old-log-prob call (its first forward-only call)."""
+        return (bool(self.settings.probes) and info.forward_only and not self._old_log_prob_seen
+                and is_probed(self.step, self.settings.probe_every))
+
+    def probe_runs(self, info: CallInfo) -> list[ProbeRun]:
+        """The probe passes to run after this call's pass: one per probe on a probed step's old-log-prob call.
+
+        Called once per verl call, after the pass verl gets; the same on every rank.
+        """
+        probing = self._probing(info)
+        if info.forward_only:
+            self._old_log_prob_seen = True
+        if not probing:
+            return []
+        if self._probe_policies is None:
+            spec = self.settings.policy
+            self._probe_policies = [
+                (probe, PolicySpec(probe.policy, dict(probe.settings), plugins=spec.plugins).policy_reading(self.tracker))
+                for probe in self.settings.probes
+            ]
+        return [probe_run(probe, policy, self.settings.seed, self.step) for probe, policy in self._probe_policies]
+
+    def add_probe(self, run: ProbeRun, counts: dict[str, float], mismatch: dict[str, float]) -> None:
+        """One probe's keys of this step, from its world-summed route counts and its ``mismatch/`` keys."""
+        replay = step_metrics(counts, run.probe.budget, self._topk, fisher_fallback=False, fisher_nonfinite=0,
+                              update_epochs=1)
+        self.probe_keys.update(probe_record(run.probe.id, {**mismatch, **replay}))
+
+    def begin_call(self, info: CallInfo, *, native_pass: bool = False, probe: ProbeRun | None = None) -> None:
         if self.policy is None:
             self.policy, self.tracker = self.settings.policy.build(len(info.moe_columns), info.num_experts)
             self._topk = info.topk
@@ -149,7 +198,7 @@ class ReplayMaskHook:
                              device=counters.collective_device())
         margin = (torch.zeros(info.num_tokens, info.route_layers, device=counters.collective_device())
                   if native_pass else None)
-        self._call = _Call(info=info, native=native, native_pass=native_pass, native_margin=margin)
+        self._call = _Call(info=info, native=native, native_pass=native_pass, native_margin=margin, probe=probe)
 
     def abort_call(self) -> None:
         self._call = None
@@ -165,12 +214,15 @@ class ReplayMaskHook:
                                      counters.assemble_over_model_parallel(call.native_margin))
             self._native_pass_done = True
             return None
-        if call.info.forward_only:
+        if call.info.forward_only and call.probe is None:
             return None
         native = counters.assemble_over_model_parallel(call.native)
         columns = call.info.moe_columns
+        counts = dict.fromkeys(ROUTE_COUNTS, 0.0) if call.probe is not None else self.step_counts
         for index in call.counted:
-            self._count(call.selections[index], native[call.rows_of(index)][:, columns])
+            self._count(counts, call.selections[index], native[call.rows_of(index)][:, columns])
+        if call.probe is not None:  # a probe pass: its counts, summed over the world, for add_probe
+            return counters.sum_counts_over_world(counts)
         return self._close_step() if call.info.last_update else None
 
     def _close_step(self) -> dict[str, float]:
@@ -179,6 +231,8 @@ class ReplayMaskHook:
         metrics = step_metrics(totals, self.budget, self._topk, fisher_fallback=totals["fisher_fallback"] > 0,
                                fisher_nonfinite=nonfinite, update_epochs=self.settings.update_epochs)
         metrics[MICRO_BATCHES_KEY] = float(self.step_micro_batches)
+        metrics.update(self.probe_keys)
+        self.step += 1
         self._reset_step()
         return metrics
 
@@ -248,14 +302,20 @@ class ReplayMaskHook:
         if call.native_pass:
             return select_micro_batch(self._no_replay, 0.0, self.settings.seed, routes, r3_mask, offsets,
                                       info.num_experts)
-        self.step_micro_batches += 1
         keys = sequence_keys(routes[:, 0], offsets)
+        if call.probe is not None:  # the probe's own policy and generators; the step's counts untouched
+            policy, budget, seed = call.probe.policy, call.probe.probe.budget, call.probe.seed
+        else:
+            policy, budget, seed = self.policy, self.budget, self.settings.seed
+            self.step_micro_batches += 1
         native = has_native = margin = None
-        if self.needs_native:
+        if policy.needs_native_routes:
             native, has_native, margin = self._stitch_native_routes(routes, offsets, keys)
-        selection = select_micro_batch(self.policy, self.budget, self.settings.seed, routes, r3_mask, offsets,
+        selection = select_micro_batch(policy, budget, seed, routes, r3_mask, offsets,
                                        info.num_experts, keys=keys, native=native, has_native=has_native,
                                        native_margin=margin)
+        if call.probe is not None:
+            return selection
         self.step_counts["fisher_fallback"] += float(selection.fisher_fallback)
         return selection
 
@@ -267,11 +327,11 @@ class ReplayMaskHook:
             router._ablate_column = info.layer_columns[layer_number - 1]
             router._ablate_moe_layer = moe_columns.index(router._ablate_column)
 
-    def _count(self, selection: MicroBatchSelection, native: Tensor) -> None:
-        """Add one micro-batch's counts (this rank counts it for its model-parallel group)."""
+    def _count(self, counts: dict[str, float], selection: MicroBatchSelection, native: Tensor) -> None:
+        """Add one micro-batch's counts to ``counts`` (this rank counts it for its model-parallel group)."""
         scores = self.tracker.scores() if self.tracker.has_estimate else None
         for key, value in counters.micro_batch_counts(selection, native, self.tracker.shape[1], scores).items():
-            self.step_counts[key] += value
+            counts[key] += value
 
     def _keep_native_routes(self, call: _Call, native: Tensor, margin: Tensor) -> None:
         """Keep each sequence's native routes (and margins) of the native pass for the step's replayed passes."""

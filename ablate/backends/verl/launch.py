@@ -30,6 +30,7 @@ ENV_PREFIX = "+ray_kwargs.ray_init.runtime_env.env_vars."
 MODE_KEY = "actor_rollout_ref.actor.megatron.router_replay.mode"
 ROLLOUT_ROUTES_KEY = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
 BYPASS_KEY = "algorithm.rollout_correction.bypass_mode"
+LOG_PROBS_KEY = "actor_rollout_ref.rollout.calculate_log_probs"
 DYNAMIC_CP_KEY = "actor_rollout_ref.actor.megatron.dynamic_context_parallel"
 EPOCHS_KEY = "actor_rollout_ref.actor.ppo_epochs"
 #: Rollouts that return ``routed_experts``: vLLM, SGLang and the CPU rollout of ``backend=verl_cpu``.
@@ -92,7 +93,7 @@ def check_verl(wanted: str = VERL_VERSION) -> str:
     return found
 
 
-def check_cell_config(config, policy: str, plugins: Sequence[str] = ()) -> None:
+def check_cell_config(config, policy: str, plugins: Sequence[str] = (), probes: Sequence[str] = ()) -> None:
     """Reject a composed verl config that cannot run ``policy`` as ablate means it.
 
     Replay needs the Megatron engine and routes recorded by a vLLM, SGLang or CPU rollout. The hook
@@ -101,7 +102,9 @@ def check_cell_config(config, policy: str, plugins: Sequence[str] = ()) -> None:
     skips: with one PPO epoch every
     sequence would first be seen in the update pass and route natively, so the cell would be
     ``none`` under another name. The same holds for every policy that ``needs_native_routes``.
-    ``plugins`` are the cell's modules to import before ``policy`` is looked up.
+    ``plugins`` are the cell's modules to import before ``policy`` is looked up. ``probes`` (their
+    ids) run in the old-log-prob call against the rollout's log-probs (docs/probes.md): they need
+    both, and the static micro-batches.
     """
     from omegaconf import OmegaConf
 
@@ -127,6 +130,8 @@ def check_cell_config(config, policy: str, plugins: Sequence[str] = ()) -> None:
             f"actor_rollout_ref.rollout.name={config.actor_rollout_ref.rollout.name}: only "
             f"{', '.join(ROUTE_RECORDING_ROLLOUTS)} return routed_experts for R3"
         )
+    if probes:
+        check_probe_config(config, probes)
     if traits.fixed_budget is not None:  # a fixed mask (no route, or every route): nothing to select per micro-batch
         return
     if OmegaConf.select(config, DYNAMIC_CP_KEY, default=False):
@@ -140,6 +145,21 @@ def check_cell_config(config, policy: str, plugins: Sequence[str] = ()) -> None:
             "old-log-prob pass, which bypass mode skips, so it would replay nothing; set "
             f"{BYPASS_KEY}=False or choose another policy"
         )
+
+
+def check_probe_config(config, probes: Sequence[str]) -> None:
+    from omegaconf import OmegaConf
+
+    named = f"probes=[{','.join(probes)}]"
+    if OmegaConf.select(config, BYPASS_KEY, default=False):
+        raise VerlLaunchError(f"{named} with {BYPASS_KEY}=True: probes run in the old-log-prob pass, which bypass mode "
+                              f"skips, so none would be scored; set {BYPASS_KEY}=False or drop the probes")
+    if not OmegaConf.select(config, LOG_PROBS_KEY, default=False):
+        raise VerlLaunchError(f"{named} with {LOG_PROBS_KEY}=False: probes compare with the rollout's log-probs, which "
+                              f"the rollout then does not return; set {LOG_PROBS_KEY}=True")
+    if OmegaConf.select(config, DYNAMIC_CP_KEY, default=False):
+        raise VerlLaunchError(f"{named} with {DYNAMIC_CP_KEY}=True: probe passes follow verl's static micro-batches; "
+                              f"set {DYNAMIC_CP_KEY}=False")
 
 
 def update_epochs(config) -> int:

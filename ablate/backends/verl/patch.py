@@ -16,8 +16,9 @@ number. The routers apply ``torch.where(mask, replayed, native)`` in
 - ``TopKRouter.routing``: registers a gradient hook on the router logits, whose per-token
   squares feed the Fisher estimate.
 - ``MegatronEngine.forward_backward_batch``: one hook call per verl call (for ``mismatch``, the
-  old-log-prob call first runs one more forward that records native routes), and the step's
-  metrics added to the last update call's output.
+  old-log-prob call first runs one more forward that records native routes; on a probed step it
+  then runs one forward per probe, :mod:`.probes`), and the step's metrics added to the last
+  update call's output.
 
 verl imports ``actor_rollout_ref.model.external_lib`` in every process that builds its model
 config: the trainer, the agent-loop workers and the rollout servers too. The hook is installed
@@ -37,6 +38,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from ablate.backends.verl.probes import probe_mismatch
 
 ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
 #: extra columns appended to each route: replay mask, valid token, row id + 1 (0 marks padding).
@@ -234,6 +237,12 @@ def hooked_call(hook, forward_backward_batch, engine, data, loss_function, forwa
     state at the end of each. Every rank runs both passes (:meth:`needs_native_pass` agrees on
     all), so their collectives match.
 
+    On a probed step's old-log-prob call, after the pass verl gets, one more forward-only pass
+    runs per probe with the probe's mask (:meth:`probe_runs`, the same on every rank). Each is
+    scored against the rollout's log-probs in ``data`` (:func:`.probes.probe_mismatch`) and
+    dropped; forward-only, it computes no gradient and feeds no Fisher sum, and verl clears the
+    router-replay state after it as after every call.
+
     The keys go into the output's ``metrics`` as one value each: verl gathers them over data-
     parallel ranks (equal values) and averages each key over the values it received, so the
     trainer logs them unchanged. Only the last pipeline stage returns metrics; the others only
@@ -248,6 +257,9 @@ def hooked_call(hook, forward_backward_batch, engine, data, loss_function, forwa
     if hook.needs_native_pass(info):
         _framed(hook, info, forward_backward_batch, engine, data, loss_function, native_pass=True)
     output, metrics = _framed(hook, info, forward_backward_batch, engine, data, loss_function, native_pass=False)
+    for run in hook.probe_runs(info):
+        probed, counts = _framed(hook, info, forward_backward_batch, engine, data, loss_function, probe=run)
+        hook.add_probe(run, counts, probe_mismatch(probed, data, engine.is_mp_src_rank_with_outputs()))
     if metrics:
         _add_metrics(output, metrics)
     return output
@@ -264,9 +276,10 @@ def _is_last_update(data) -> bool:
     return bool(tu.get_non_tensor_data(data, key="update_lr_scheduler", default=False))
 
 
-def _framed(hook, info: CallInfo, forward_backward_batch, engine, data, loss_function, *, native_pass: bool):
+def _framed(hook, info: CallInfo, forward_backward_batch, engine, data, loss_function, *, native_pass: bool = False,
+            probe=None):
     """One run of verl's ``forward_backward_batch`` between the hook's begin and end of a call."""
-    hook.begin_call(info, native_pass=native_pass)
+    hook.begin_call(info, native_pass=native_pass, probe=probe)
     try:
         output = forward_backward_batch(engine, data, loss_function, forward_only=info.forward_only)
     except BaseException:
