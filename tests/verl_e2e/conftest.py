@@ -26,14 +26,18 @@ def assets(tmp_path_factory) -> Path:
 def policy_store(tmp_path_factory, assets) -> Path:
     """One multirun of the six policies at budget 0.5, seed 0, into the store's sweep ``cpu``.
 
+    Two cells at a time, with the joblib launcher a user runs: a verl cell's start-up is a chain
+    of processes that each import verl, mostly one core busy at a time.
+
     Every cell also scores the probes ``none``, ``full`` and ``random@0.5`` on each step
     (docs/probes.md): probes do not change training, so the cells' other checks hold as without.
     """
     store = tmp_path_factory.mktemp("cpu-policies") / "runs"
     store.mkdir()
     done, seconds = run_ablate(store, assets, "-m", f"policy={','.join(POLICIES)}", f"budget={BUDGET}", "seed=0",
-                               "sweep=cpu", "tracking.mode=offline", *PROBE_OVERRIDES)
-    print(f"\n{len(POLICIES)} verl CPU cells in one multirun: {seconds:.0f} s wall")
+                               "sweep=cpu", "tracking.mode=offline", *PROBE_OVERRIDES,
+                               "hydra/launcher=joblib", "hydra.launcher.n_jobs=2")
+    print(f"\n{len(POLICIES)} verl CPU cells in one multirun, two at a time: {seconds:.0f} s wall")
     assert done.returncode == 0, (done.stdout[-4000:], done.stderr[-4000:])
     assert f"sweep cpu: {len(POLICIES)} complete, 0 failed, 0 skipped" in done.stdout + done.stderr
     return store
