@@ -29,7 +29,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" --durations=15
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow --durations=25 || test $$? -eq 5  # 5: no slow test collected
+	$(BIN)/python -m pytest -q -m slow -n 2 --dist loadgroup --durations=25 || test $$? -eq 5  # 5: no slow test collected
 
 test-verl:
 	bash .ci/verl-env.sh

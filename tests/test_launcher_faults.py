@@ -23,7 +23,8 @@ import pytest
 
 from ablate.store import read_json
 
-pytestmark = pytest.mark.slow
+#: One xdist worker runs every test here (``--dist loadgroup``): the Ray clusters start one at a time.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
 GRID = ["-m", "backend=noop", "policy=random", "budget=0.1,0.5", "seed=0,1", "backend.steps=20",
         "backend.step_seconds=0.3", "tracking.mode=disabled", "sweep=g"]
@@ -79,10 +80,15 @@ def launcher(request, tmp_path, ray_dir):
     if kind == "ray_cluster":
         port = free_port()
         ray = Path(sys.executable).parent / "ray"
-        subprocess.run([str(ray), "start", "--head", "--num-cpus", "2", "--node-ip-address", "127.0.0.1",
-                        "--port", str(port), "--temp-dir", str(ray_dir), "--include-dashboard=false",
-                        "--disable-usage-stats"], check=True, env=env, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, timeout=180)
+        # Free ports for what `ray start` otherwise binds to fixed defaults (the client server's
+        # 10001, the dashboard agent's 52365), which another Ray on the machine may hold.
+        ports = [f"--{name}={free_port()}" for name in ("ray-client-server-port", "dashboard-agent-listen-port",
+                                                         "dashboard-agent-grpc-port", "metrics-export-port",
+                                                         "runtime-env-agent-port")]
+        started = subprocess.run([str(ray), "start", "--head", "--num-cpus", "2", "--node-ip-address", "127.0.0.1",
+                                  "--port", str(port), "--temp-dir", str(ray_dir), "--include-dashboard=false",
+                                  "--disable-usage-stats", *ports], env=env, capture_output=True, text=True, timeout=180)
+        assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
         env["RAY_ADDRESS"] = f"127.0.0.1:{port}"
     return kind, overrides, env
 

@@ -144,6 +144,7 @@ def test_interrupted_sweep_resumes_without_rerunning_complete_cells(tmp_path):
         assert len(pd.read_parquet(directory / "records.parquet")) == 40
 
 
+@pytest.mark.xdist_group("ray")  # with the launcher fault suite's Ray clusters, one at a time
 def test_ray_launcher(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason="hydra-ray-launcher is not installed")
     store = tmp_path / "runs"
