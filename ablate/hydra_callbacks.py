@@ -1,9 +1,14 @@
 """Hydra callbacks the app's config installs (``hydra.callbacks`` in ``conf/config.yaml``).
 
-Hydra creates a single run's output folder (``hydra.run.dir``, inside the store) before the app
-starts, and reports a failure there as a traceback. :class:`WritableStore` checks the store first
-and ends the command in one line that names the folder; a sweep checks its own folder in the
-grid sweeper.
+Hydra reports what fails before the app or the sweeper runs as a traceback. These callbacks run
+first and end the command in one line:
+
+- :class:`WritableStore`: a single run's output folder (``hydra.run.dir``, inside the store) is
+  made by Hydra before the app starts; the store is checked first (a sweep checks its own folder
+  in the grid sweeper);
+- :class:`ResolvableSweeper`: Hydra resolves the sweeper's own config (``hydra.sweeper``, from a
+  sweep file such as an Optuna study's) when it instantiates the sweeper; an interpolation there
+  that cannot resolve is named first.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 
 class WritableStore(Callback):
@@ -26,3 +31,17 @@ class WritableStore(Callback):
         except StoreError as error:
             print(f"ablate: {error}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
+
+
+class ResolvableSweeper(Callback):
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from omegaconf.errors import InterpolationResolutionError
+
+        from ablate.config_errors import interpolation_problem
+
+        try:
+            OmegaConf.to_container(config.hydra.sweeper, resolve=True)
+        except InterpolationResolutionError as error:
+            dirs = [Path(s.path) for s in config.hydra.runtime.config_sources if s.schema == "file"]
+            print(f"ablate: {interpolation_problem(error, dirs)}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None

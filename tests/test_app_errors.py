@@ -12,6 +12,9 @@ SWEEP_FILES = {
     "badyaml": "# @package _global_\nsweep: badyaml\nbudget: [0.1, 0.5\n",
     "badinterp": "# @package _global_\nsweep: badinterp\nbudget: ${nosuch.key}\n",
     "envmiss": "# @package _global_\nsweep: envmiss\nseed: ${oc.env:ABLATE_NO_SUCH_VARIABLE}\n",
+    # Hydra resolves the sweeper's own config when it builds the sweeper, before any sweeper code.
+    "studyinterp": ("# @package _global_\ndefaults:\n  - override /hydra/sweeper: ablate_optuna\nsweep: studyinterp\n"
+                    "hydra:\n  sweeper:\n    n_trials: ${nosuch.trials}\n    params:\n      budget: interval(0.1, 0.9)\n"),
 }
 
 
@@ -42,6 +45,7 @@ def test_a_misspelt_backend_name_is_refused_before_any_cell_is_written(tmp_path)
         ("badinterp", "badinterp.yaml: budget: Interpolation key 'nosuch.key' not found"),
         ("envmiss", "envmiss.yaml: seed: KeyError raised while resolving interpolation: "
                     "\"Environment variable 'ABLATE_NO_SUCH_VARIABLE' not found\""),
+        ("studyinterp", "studyinterp.yaml: hydra.sweeper.n_trials: Interpolation key 'nosuch.trials' not found"),
     ],
 )
 def test_a_broken_config_dir_file_is_named_in_one_line(tmp_path, sweep, problem):
