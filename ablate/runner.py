@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 import math
-import secrets
 import os
+import secrets
 import sys
 import time
 import traceback
