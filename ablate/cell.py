@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ablate.analysis.outcomes import check_objective
 from ablate.arms import arm_name
-from ablate.backends import backend_names, get_backend
+from ablate.backends import get_backend
 from ablate.budget import budget_label, check_budget
 from ablate.config import AppConfig, BackendConfig, ConfigError, FisherEstimateConfig, choice_value
 from ablate.diagnostics import SCHEMA_VERSION
@@ -144,9 +144,8 @@ def check_supported(app: AppConfig, probes: list[dict[str, Any]]) -> None:
     """What the cell asks of its backend (probes, a Fisher estimator) is what the backend declares."""
     backend = get_backend(app.backend.name)
     if probes and not backend.scores_probes:
-        scorers = [name for name in backend_names() if get_backend(name).scores_probes]
         raise ConfigError(f"probes={[row['id'] for row in probes]} with backend={backend.name}: "
-                          f"expected no probes (only {', '.join(scorers)} scores them so far)")
+                          "expected no probes (this backend does not score them)")
     estimator = choice_value(app.policy.fisher.estimator)
     if estimator not in backend.fisher_estimators:
         raise ConfigError(f"policy.fisher.estimator={estimator}: expected {' or '.join(backend.fisher_estimators)} "

@@ -23,11 +23,25 @@ from omegaconf import DictConfig, OmegaConf
 
 class WritableStore(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from omegaconf.errors import InterpolationResolutionError
+
+        from ablate.config_errors import interpolation_problem
         from ablate.store import StoreError, make_directory, store_root
 
+        # Hydra reports a callback's exceptions as a warning and goes on: only SystemExit ends it.
         try:
-            make_directory(store_root(str(config.store_dir)), "the run store")
-            make_directory(Path(str(config.hydra.run.dir)), "Hydra's folder for this run")
+            store = store_root(str(config.store_dir))
+        except InterpolationResolutionError as error:
+            print(f"ablate: {interpolation_problem(error, _config_dirs(config))}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        try:
+            run_dir = Path(str(config.hydra.run.dir))
+        except InterpolationResolutionError:  # ${hydra:...} resolves only once Hydra runs the job
+            run_dir = None
+        try:
+            make_directory(store, "the run store")
+            if run_dir is not None:
+                make_directory(run_dir, "Hydra's folder for this run")
         except StoreError as error:
             print(f"ablate: {error}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
@@ -42,6 +56,10 @@ class ResolvableSweeper(Callback):
         try:
             OmegaConf.to_container(config.hydra.sweeper, resolve=True)
         except InterpolationResolutionError as error:
-            dirs = [Path(s.path) for s in config.hydra.runtime.config_sources if s.schema == "file"]
-            print(f"ablate: {interpolation_problem(error, dirs)}", file=sys.stderr, flush=True)
+            print(f"ablate: {interpolation_problem(error, _config_dirs(config))}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
+
+
+def _config_dirs(config: DictConfig) -> list[Path]:
+    """The folders of the command's config files (``--config-dir`` and the like), to name a file."""
+    return [Path(source.path) for source in config.hydra.runtime.config_sources if source.schema == "file"]

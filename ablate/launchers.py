@@ -37,7 +37,7 @@ from typing import Any
 
 import psutil
 
-from ablate.interrupts import STOP_FILE_ENV, as_interrupted, request_stop, restore_handlers
+from ablate.interrupts import STOP_FILE_ENV, as_interrupted, check_not_stopping, request_stop, restore_handlers
 from ablate.store import CLAIM_FILE, CellState, StoreError, inspect_cell, read_json
 from ablate.sweep import PlannedCell, outcome
 
@@ -269,6 +269,7 @@ class ReturnInterrupts:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
+            check_not_stopping()  # a queued job of a stopping sweep ends at once
             return self.task(*args, **kwargs)
         except KeyboardInterrupt as error:
             return StoppedCell(as_interrupted(error).signum)

@@ -98,10 +98,11 @@ def run_cell(cfg: DictConfig) -> dict[str, Any]:
     if inspect_cell(directory, cell.cell_id).state is CellState.COMPLETE:
         log.info("%s: complete in %s, skipped", cell.name, directory)
         return {**read_summary(directory), "skipped": True}
+    check_not_stopping()  # a worker of a stopping sweep starts no new cell, nor checks its launch
     if preflight is not None:  # a launch that cannot work fails here, before the cell is written
         preflight(cell)
     resolved = resolved_config(cfg)
-    check_not_stopping()  # a worker of a stopping sweep starts no new cell
+    check_not_stopping()  # the sweep may have stopped during the launch check
     with signals_interrupt(), held(directory) as claim:
         view = inspect_cell(directory, cell.cell_id)
         if view.state is CellState.COMPLETE:  # another worker finished it while we looked

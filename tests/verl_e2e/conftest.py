@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cpu_cells import BUDGET, POLICIES, PROBE_OVERRIDES, run_ablate
+from cpu_cells import BUDGET, EXAMPLE, POLICIES, PROBE_OVERRIDES, run_ablate
 
 
 @pytest.fixture(scope="session")
@@ -24,7 +24,7 @@ def assets(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def policy_store(tmp_path_factory, assets) -> Path:
-    """One multirun of the six policies at budget 0.5, seed 0, into the store's sweep ``cpu``.
+    """One multirun of the six policies (and the example ``margin``) at budget 0.5, seed 0, into the store's sweep ``cpu``.
 
     Two cells at a time, with the joblib launcher a user runs: a verl cell's start-up is a chain
     of processes that each import verl, mostly one core busy at a time.
@@ -34,10 +34,11 @@ def policy_store(tmp_path_factory, assets) -> Path:
     """
     store = tmp_path_factory.mktemp("cpu-policies") / "runs"
     store.mkdir()
-    done, seconds = run_ablate(store, assets, "-m", f"policy={','.join(POLICIES)}", f"budget={BUDGET}", "seed=0",
+    policies = (*POLICIES, *EXAMPLE)
+    done, seconds = run_ablate(store, assets, "-m", f"policy={','.join(policies)}", f"budget={BUDGET}", "seed=0",
                                "sweep=cpu", "tracking.mode=offline", *PROBE_OVERRIDES,
                                "hydra/launcher=joblib", "hydra.launcher.n_jobs=2")
-    print(f"\n{len(POLICIES)} verl CPU cells in one multirun, two at a time: {seconds:.0f} s wall")
+    print(f"\n{len(policies)} verl CPU cells in one multirun, two at a time: {seconds:.0f} s wall")
     assert done.returncode == 0, (done.stdout[-4000:], done.stderr[-4000:])
-    assert f"sweep cpu: {len(POLICIES)} complete, 0 failed, 0 skipped" in done.stdout + done.stderr
+    assert f"sweep cpu: {len(policies)} complete, 0 failed, 0 skipped" in done.stdout + done.stderr
     return store

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -11,8 +12,11 @@ from pathlib import Path
 import pytest
 
 POLICIES = ("none", "full", "random", "uniform", "fisher", "mismatch")
+#: The worked example policy, by its entry point, where it is installed (.ci/verl-env.sh installs
+#: examples/margin_policy): it runs in the policy multirun beside the built-in ones.
+EXAMPLE = tuple(point.name for point in importlib.metadata.entry_points(group="ablate.policies") if point.name == "margin")
 BUDGET = 0.5
-CELLS = {"none": "none-s0", "full": "full-s0", **{p: f"{p}-b{BUDGET}-s0" for p in POLICIES[2:]}}
+CELLS = {"none": "none-s0", "full": "full-s0", **{p: f"{p}-b{BUDGET}-s0" for p in (*POLICIES[2:], *EXAMPLE)}}
 #: The probes every policy cell scores on every step (docs/probes.md), and their overrides: part
 #: of a cell's identity, so every command that is to find these cells again passes them too.
 PROBES = ("none", "full", f"random@{BUDGET}")

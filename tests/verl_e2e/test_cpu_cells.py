@@ -1,7 +1,8 @@
 """Every policy as a complete verl cell on the CPU, read back from the run store and the W&B run.
 
-One multirun runs the six policies at budget 0.5 (seed 0) through verl's real ``main_ppo``:
-Ray, the Megatron actor with R3 on gloo, the CPU rollout with noisy routers, the worker hook.
+One multirun runs the six policies (and the example `margin`, where installed) at budget 0.5 (seed 0)
+through verl's real ``main_ppo``: Ray, the Megatron actor with R3 on gloo, the CPU rollout with noisy
+routers, the worker hook.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import math
 import pandas as pd
 import pytest
 
-from cpu_cells import BUDGET, CELLS, POLICIES, PROBES, cell_dir, needs_verl_runtime
+from cpu_cells import BUDGET, CELLS, EXAMPLE, POLICIES, PROBES, cell_dir, needs_verl_runtime
 
 needs_verl_runtime()
 pytestmark = [pytest.mark.slow, pytest.mark.verl]
@@ -39,7 +40,7 @@ def test_every_policy_completes_with_every_key_from_the_store_and_the_wandb_run(
     from ablate.store import read_json
     from ablate.tracking import find_offline_runs, history_frame, read_offline_run
 
-    for policy in POLICIES:
+    for policy in (*POLICIES, *EXAMPLE):
         cell = cell_dir(policy_store / "cpu", CELLS[policy])
         assert read_json(cell / "status.json")["status"] == "complete", policy
         frame = records(policy_store, policy)
@@ -119,3 +120,17 @@ def test_probes_with_the_cells_mask_reproduce_its_keys_exactly(policy_store):
     probe = f"random@{BUDGET}"
     assert random[probe_key(probe, "replay/budget_realized")].tolist() == random["replay/budget_realized"].tolist()
     assert random[probe_key(probe, "mismatch/kl_k3")].tolist() != random["mismatch/kl_k3"].tolist()
+
+
+@pytest.mark.skipif(not EXAMPLE, reason="examples/margin_policy is not installed here (.ci/verl-env.sh installs it)")
+def test_the_example_margin_policy_replays_its_budget_and_finds_the_routes_that_flip(policy_store):
+    from ablate.budget import count_for
+
+    margin, random = records(policy_store, "margin"), records(policy_store, "random")
+    assert margin["replay/budget_requested"].tolist() == [BUDGET] * STEPS
+    expected = [count_for(BUDGET, int(valid)) for valid in margin["replay/valid_routes"]]
+    assert margin["replay/replayed_routes"].astype(int).tolist() == expected
+    # margin ranks on its native pass's router margins (near-ties are where routes flip): it finds
+    # mismatched routes well beyond the budget's share, which is all random can find.
+    assert margin["routing/mismatch_recall"].mean() > random["routing/mismatch_recall"].mean() + 0.1
+    assert (margin["routing/residual_mismatch_rate"] < margin["routing/route_mismatch_rate"]).all()

@@ -61,20 +61,27 @@ def response_log_probs(output, data) -> tuple[Tensor, Tensor]:
     """
     from verl.workers.utils.padding import no_padding_2_padding, response_from_nested
 
+    check_probe_batch(data)
+    log_probs, mask, rollout = output["model_output"]["log_probs"], data["response_mask"], data["rollout_log_probs"]
+    if mask.is_nested:
+        valid = mask.values().bool().cpu()
+        train, rollout = response_from_nested(log_probs, mask).values(), rollout.values()
+    else:
+        valid = mask.bool().cpu()
+        train = no_padding_2_padding(log_probs, data)
+    return train.float().cpu()[valid], rollout.cpu()[valid]
+
+
+def check_probe_batch(data) -> None:
+    """Raise on a batch a probe cannot be compared on. Every rank of a replica holds the same batch
+    keys, so every rank raises alike, before the gather that a rank raising alone would leave hanging."""
     if "rollout_log_probs" not in data:
         raise RuntimeError("probes compare with the rollout's log-probs, but verl's batch has no rollout_log_probs: "
                            "set actor_rollout_ref.rollout.calculate_log_probs=true")
-    log_probs, mask, rollout = output["model_output"]["log_probs"], data["response_mask"], data["rollout_log_probs"]
-    if mask.is_nested and rollout.is_nested:
-        valid = mask.values().bool().cpu()
-        train, rollout = response_from_nested(log_probs, mask).values(), rollout.values()
-    elif not mask.is_nested and not rollout.is_nested:
-        valid = mask.bool().cpu()
-        train = no_padding_2_padding(log_probs, data)
-    else:
+    mask, rollout = data["response_mask"], data["rollout_log_probs"]
+    if mask.is_nested != rollout.is_nested:
         raise RuntimeError(f"verl's batch holds response_mask {'jagged' if mask.is_nested else 'padded'} but "
                            f"rollout_log_probs {'jagged' if rollout.is_nested else 'padded'}: expected one layout")
-    return train.float().cpu()[valid], rollout.cpu()[valid]
 
 
 def probe_mismatch(output, data, has_outputs: bool) -> dict[str, float]:
@@ -83,6 +90,7 @@ def probe_mismatch(output, data, has_outputs: bool) -> dict[str, float]:
     Every rank takes part in the gather; ``has_outputs`` marks the one rank per data-parallel
     replica whose share counts. Empty when the batch has no valid response token.
     """
+    check_probe_batch(data)
     empty = torch.zeros(0, dtype=torch.float32)
     train, rollout = response_log_probs(output, data) if has_outputs else (empty, empty)
     train, rollout = counters.gather_over_world(train), counters.gather_over_world(rollout)
