@@ -167,13 +167,8 @@ def tally_line(out: str) -> str:
 
 @pytest.mark.parametrize("launcher", LAUNCHERS, indirect=True)
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_ends_running_cells_interrupted_prints_the_tally_and_leaves_no_process(tmp_path, launcher, signum, request):
+def test_a_signal_ends_running_cells_interrupted_prints_the_tally_and_leaves_no_process(tmp_path, launcher, signum):
     kind, overrides, env = launcher
-    if kind == "ray_cluster" and signum == signal.SIGTERM:
-        # A known defect, still open: SIGTERM to a sweep on an existing cluster exits 143 with its
-        # tally but has left the running cells `running` (docs/launchers.md says so).
-        request.applymarker(pytest.mark.xfail(reason="SIGTERM on an existing Ray cluster leaves running cells running",
-                                              strict=False))
     sweep = Sweep(tmp_path, overrides, env)
     sweep.wait_running()
     if signum == signal.SIGINT:
