@@ -37,7 +37,7 @@ def policy_store(tmp_path_factory, assets) -> Path:
     policies = (*POLICIES, *EXAMPLE)
     done, seconds = run_ablate(store, assets, "-m", f"policy={','.join(policies)}", f"budget={BUDGET}", "seed=0",
                                "sweep=cpu", "tracking.mode=offline", *PROBE_OVERRIDES,
-                               "hydra/launcher=joblib", "hydra.launcher.n_jobs=2")
+                               "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", timeout=2700)
     print(f"\n{len(policies)} verl CPU cells in one multirun, two at a time: {seconds:.0f} s wall")
     assert done.returncode == 0, (done.stdout[-4000:], done.stderr[-4000:])
     assert f"sweep cpu: {len(policies)} complete, 0 failed, 0 skipped" in done.stdout + done.stderr
