@@ -14,9 +14,10 @@ are a user's typo in a file, so both are reported as ``<file>: <problem>``:
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 
@@ -69,6 +70,14 @@ def interpolation_problem(error: Any, directories: Sequence[Path]) -> str:
     files = _files_setting(str(key).rsplit(".", 1)[-1], directories)
     where = f"{files[0]}: " if len(files) == 1 else ""
     return f"{where}{key}: {message} (an interpolation that cannot be resolved)"
+
+
+def exit_with_interpolation_problem(error: Any, config: Any) -> NoReturn:
+    """End the command with :func:`interpolation_problem`'s line (exit 2), searching the config
+    files of the command (``hydra.runtime.config_sources``) for the setting."""
+    directories = [Path(source.path) for source in config.hydra.runtime.config_sources if source.schema == "file"]
+    print(f"ablate: {interpolation_problem(error, directories)}", file=sys.stderr, flush=True)
+    raise SystemExit(2) from None
 
 
 def _files_setting(leaf: str, directories: Sequence[Path]) -> list[Path]:

@@ -25,15 +25,14 @@ class WritableStore(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         from omegaconf.errors import InterpolationResolutionError
 
-        from ablate.config_errors import interpolation_problem
+        from ablate.config_errors import exit_with_interpolation_problem
         from ablate.store import StoreError, make_directory, store_root
 
         # Hydra reports a callback's exceptions as a warning and goes on: only SystemExit ends it.
         try:
             store = store_root(str(config.store_dir))
         except InterpolationResolutionError as error:
-            print(f"ablate: {interpolation_problem(error, _config_dirs(config))}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
+            exit_with_interpolation_problem(error, config)
         try:
             run_dir = Path(str(config.hydra.run.dir))
         except InterpolationResolutionError:  # ${hydra:...} resolves only once Hydra runs the job
@@ -51,15 +50,9 @@ class ResolvableSweeper(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from omegaconf.errors import InterpolationResolutionError
 
-        from ablate.config_errors import interpolation_problem
+        from ablate.config_errors import exit_with_interpolation_problem
 
         try:
             OmegaConf.to_container(config.hydra.sweeper, resolve=True)
         except InterpolationResolutionError as error:
-            print(f"ablate: {interpolation_problem(error, _config_dirs(config))}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
-
-
-def _config_dirs(config: DictConfig) -> list[Path]:
-    """The folders of the command's config files (``--config-dir`` and the like), to name a file."""
-    return [Path(source.path) for source in config.hydra.runtime.config_sources if source.schema == "file"]
+            exit_with_interpolation_problem(error, config)

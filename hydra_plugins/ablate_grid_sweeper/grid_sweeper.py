@@ -124,15 +124,13 @@ class AblateGridSweeper(BasicSweeper):
         """Plan, launch and tally; an interpolation that cannot resolve ends it in one line."""
         from omegaconf.errors import InterpolationResolutionError
 
-        from ablate.config_errors import interpolation_problem
+        from ablate.config_errors import exit_with_interpolation_problem
 
         try:
             return self._sweep(arguments)
         except InterpolationResolutionError as error:
             assert self.config is not None
-            dirs = [Path(s.path) for s in self.config.hydra.runtime.config_sources if s.schema == "file"]
-            print(f"ablate: {interpolation_problem(error, dirs)}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
+            exit_with_interpolation_problem(error, self.config)
 
     def _sweep(self, arguments: list[str]) -> Any:
         from ablate.cell import ConfigError
