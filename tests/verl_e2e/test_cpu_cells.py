@@ -134,3 +134,42 @@ def test_the_example_margin_policy_replays_its_budget_and_finds_the_routes_that_
     # mismatched routes well beyond the budget's share, which is all random can find.
     assert margin["routing/mismatch_recall"].mean() > random["routing/mismatch_recall"].mean() + 0.1
     assert (margin["routing/residual_mismatch_rate"] < margin["routing/route_mismatch_rate"]).all()
+
+
+#: Keys that time or size the run: they say nothing about what probes do to training.
+RUN_SIZE_PREFIXES = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/")
+#: Counts and per-sample extremes, which no summation order changes: equal bit for bit.
+ORDER_FREE_PREFIXES = ("replay/", "routing/", "response_length", "prompt_length", "critic/score/max",
+                       "critic/score/min", "critic/rewards/max", "critic/rewards/min")
+#: GRPO advantages (and returns) have mean 0 by construction: rounding is all there is of them.
+ZERO_MEAN = ("critic/advantages/mean", "critic/returns/mean")
+
+
+def test_probes_leave_training_as_it_is_without_them(policy_store, assets):
+    """The multirun's `random` cell scores three probes on every step; the same cell without probes
+    (its own sweep) must train the same: the same samples, rewards, routes, replay and losses.
+
+    Bit for bit where no summation order enters; elsewhere up to float32 rounding, as between two
+    runs without probes: verl's TransferQueue trainer assembles a step's batch in the order its
+    samples finish, so a batch mean may add the same values in another order (docs/verl-cpu.md).
+    """
+    from cpu_cells import run_ablate
+
+    done, seconds = run_ablate(policy_store, assets, "policy=random", f"budget={BUDGET}", "seed=0",
+                               "sweep=cpu-unprobed", "tracking.mode=disabled")
+    print(f"\nthe unprobed random cell: {seconds:.0f} s wall")
+    assert done.returncode == 0, (done.stdout[-4000:], done.stderr[-4000:])
+    from ablate.store import read_records
+
+    unprobed = read_records(cell_dir(policy_store / "cpu-unprobed", CELLS["random"]))
+    probed = records(policy_store, "random")
+    assert not [key for key in unprobed.columns if key.startswith("probe/")]
+    assert {key for key in probed.columns if not key.startswith("probe/")} == set(unprobed.columns)
+    keys = [key for key in unprobed.columns if not key.startswith(RUN_SIZE_PREFIXES)]
+    order_free = [key for key in keys if key.startswith(ORDER_FREE_PREFIXES)]
+    assert len(keys) > 80 and len(order_free) > 15 and "replay/replayed_routes" in order_free
+    differing = [key for key in order_free if not probed[key].equals(unprobed[key])]  # NaN equals NaN here
+    assert not differing, {key: (probed[key].tolist(), unprobed[key].tolist()) for key in differing}
+    for key in keys:
+        tolerance = {"abs": 1e-7} if key in ZERO_MEAN else {"rel": 1e-6, "abs": 0}
+        assert probed[key].to_numpy(float) == pytest.approx(unprobed[key].to_numpy(float), nan_ok=True, **tolerance), key

@@ -6,14 +6,20 @@ the experts its own forward chose in every MoE layer, and adds Gaussian noise to
 logits (standard deviation from ``ABLATE_VERL_CPU_ROUTER_NOISE``, in logit units) before the
 top-k, as the routers of a real inference engine differ from the trainer's in kernels and
 precision: its routes then disagree with the trainer's and replay has something to fix.
+Each request draws its samples and its router noise from generators seeded by the rollout seed,
+the training step and the request id (:func:`request_seed`), never from a stream shared by the
+requests: the ids name the samples (:mod:`.request_ids`), so a cell repeats bit for bit whatever
+order the agent loop's requests arrive in.
 :class:`CpuServerAdapter` (a verl ``BaseRollout``) lives in the hybrid training worker and sends
 the trainer's weights to that actor at every weight sync. Both are registered in verl's two
-rollout registries by :mod:`.plugin`; no verl code is patched for the rollout.
+rollout registries by :mod:`.plugin`; the only verl code wrapped for the rollout is the agent
+loop's request id (:mod:`.request_ids`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import re
 
@@ -31,6 +37,15 @@ def server_name(replica_rank: int) -> str:
     return f"ablate_cpu_rollout_{replica_rank}"
 
 
+def request_seed(seed: int, global_steps, request_id: str) -> int:
+    """A request's own seed: a stable hash of the rollout seed, the step and the request id.
+
+    ``hashlib`` rather than ``hash``: Python salts ``hash`` of a string per process.
+    """
+    digest = hashlib.blake2b(f"{int(seed)}|{global_steps}|{request_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
 class NoisyRouters:
     """Noise on the router logits of every MoE layer of a transformers Qwen3-MoE, and their choices.
 
@@ -38,8 +53,10 @@ class NoisyRouters:
     experts then run on those), and keeps the chosen ids of the latest forward per layer.
     """
 
-    def __init__(self, model, noise: float, generator: torch.Generator) -> None:
-        self.noise, self.generator = noise, generator
+    def __init__(self, model, noise: float) -> None:
+        self.noise = noise
+        #: set for each request before its forwards (:meth:`CpuRolloutServer._generate`).
+        self.generator: torch.Generator | None = None
         self.chosen: list[torch.Tensor] = []
         self.routers = [module for name, module in model.named_modules() if name.endswith("mlp.gate")]
         if not self.routers:
@@ -74,20 +91,22 @@ class CpuRolloutServer:
         path = model_config.get("local_path", None) or model_config.get("path")
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         self.eos = self.model.config.eos_token_id
-        generator = torch.Generator().manual_seed(int(config.seed) + replica_rank)
-        self.sampler = torch.Generator().manual_seed(int(config.seed) + replica_rank + 1)
-        self.routers = NoisyRouters(self.model, float(os.environ.get(ROUTER_NOISE_ENV, "0")), generator)
+        self.routers = NoisyRouters(self.model, float(os.environ.get(ROUTER_NOISE_ENV, "0")))
         self.global_steps = None
         self.weight_updates = 0
         self.lock = asyncio.Lock()
 
     @torch.no_grad()
-    def _generate(self, prompt_ids, sampling_params):
+    def _generate(self, prompt_ids, sampling_params, request_id):
         """Sample a response, then one forward over every token fed forward gives routes and log-probs.
 
         The routes and log-probs come from the same forward (the same router noise), so the
-        rollout log-probs are those of the routes it records.
+        rollout log-probs are those of the routes it records. The request's samples and noise
+        come from its own generators (:func:`request_seed`).
         """
+        seed = request_seed(self.config.seed, self.global_steps, str(request_id))
+        sampler = torch.Generator().manual_seed(seed)
+        self.routers.generator = torch.Generator().manual_seed(seed ^ 1)
         params = dict(sampling_params)
         limit = int(params.get("max_tokens", params.get("max_new_tokens", self.config.response_length)))
         limit = max(1, min(limit, self.config.response_length))
@@ -98,7 +117,7 @@ class CpuRolloutServer:
             if temperature <= 0:
                 token = int(logits.argmax())
             else:
-                token = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=self.sampler))
+                token = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=sampler))
             response.append(token)
             sequence.append(token)
             if token == self.eos:
@@ -113,7 +132,7 @@ class CpuRolloutServer:
 
     async def generate(self, prompt_ids, sampling_params, request_id, image_data=None, video_data=None, **kwargs):
         async with self.lock:
-            response, logprobs, routes = await asyncio.to_thread(self._generate, prompt_ids, sampling_params)
+            response, logprobs, routes = await asyncio.to_thread(self._generate, prompt_ids, sampling_params, request_id)
         return TokenOutput(token_ids=response, log_probs=logprobs,
                            routed_experts=routes if self.config.enable_rollout_routing_replay else None,
                            stop_reason="completed", extra_fields={"global_steps": self.global_steps})
