@@ -132,6 +132,21 @@ def test_margins_give_an_equivalence_claim():
     assert (table.loc[table["effect"] == "replay", "claim"] == "differs").all()
 
 
+def test_primary_rows_test_their_margins_as_one_family():
+    """Gates order the difference tests only: the primary rows' equivalence tests are one Holm family."""
+    df = planted_frame(np.random.default_rng(7), n_seeds=10, selection=0.0, noise=0.01)
+    primary = ("replay", "selection:fisher:random@pooled", "selection:uniform:random@pooled")
+    table = effects(df, primary=primary, margins={"final_reward": 0.05})
+    rows = table[table["family"].str.startswith("primary")]
+    assert len(rows) == 3
+    expected = adjust_pvalues(rows["p_equiv"].to_numpy(dtype=float), "holm")
+    assert rows["p_equiv_adj"].to_numpy() == pytest.approx(expected)
+    assert (rows["p_equiv_adj"] > rows["p_equiv"]).any()  # three margins do not each get the full alpha
+    exploratory = table[table["family"] == "exploratory pooled"]
+    assert exploratory["p_equiv_adj"].to_numpy() == pytest.approx(
+        adjust_pvalues(exploratory["p_equiv"].to_numpy(dtype=float), "holm"))
+
+
 def test_settings_are_one_object_with_checked_values():
     settings = AnalysisSettings(level=0.9, adjust="bh")
     df = planted_frame(np.random.default_rng(8), n_seeds=6)

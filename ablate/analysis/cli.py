@@ -398,6 +398,7 @@ def _effects_legend(table: pd.DataFrame) -> str:
     ]
     if attrs.get("margin"):
         lines.append(f"- p_equiv: equivalence (two one-sided sign-flip tests) of |effect| < {attrs['margin']:g}; "
+                     "p_equiv_adj: Holm within the row's family, over all primary rows together for a primary row; "
                      "claim: differs (p_adj), within ±margin (p_equiv_adj), else inconclusive")
     tested = table["n_seeds"][table["p_value"].notna()]
     if not tested.empty and attrs["adjust"] == "holm":

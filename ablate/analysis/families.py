@@ -136,8 +136,13 @@ def assign_families(table: pd.DataFrame, keys: Sequence[str], settings: Analysis
         p = table.loc[members, "p_value"].to_numpy(dtype=float)
         table.loc[members, "p_adj"] = adjust_pvalues(p, settings.adjust)
         levels[members] = interval_alphas(p, alpha, settings.adjust)
-    for name in dict.fromkeys(family):
-        members = family == name
+    # Equivalence is not gated: a row that passes its difference gate says nothing of the next
+    # row's margin. The primary rows' TOST p-values are therefore adjusted together, as one
+    # family over every gate (one singleton gate each would test three primary margins at the
+    # full alpha each); an exploratory family adjusts its own, as it does its difference tests.
+    equivalence_family = family.where(unassigned, "primary")
+    for name in dict.fromkeys(equivalence_family):
+        members = equivalence_family == name
         table.loc[members, "p_equiv_adj"] = adjust_pvalues(table.loc[members, "p_equiv"].to_numpy(dtype=float),
                                                             settings.adjust)
     low, high = [], []
