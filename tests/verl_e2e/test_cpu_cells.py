@@ -171,5 +171,7 @@ def test_probes_leave_training_as_it_is_without_them(policy_store, assets):
     differing = [key for key in order_free if not probed[key].equals(unprobed[key])]  # NaN equals NaN here
     assert not differing, {key: (probed[key].tolist(), unprobed[key].tolist()) for key in differing}
     for key in keys:
-        tolerance = {"abs": 1e-7} if key in ZERO_MEAN else {"rel": 1e-6, "abs": 0}
+        # abs 2e-6: a batch added in another order moves keys computed from float32 log-probs (about
+        # -4.8, resolution 5e-7) by up to 1.4e-6 (measured: chi2_seq, log-ppl differences, kl_k1)
+        tolerance = {"abs": 1e-7} if key in ZERO_MEAN else {"rel": 1e-6, "abs": 2e-6}
         assert probed[key].to_numpy(float) == pytest.approx(unprobed[key].to_numpy(float), nan_ok=True, **tolerance), key
