@@ -17,7 +17,6 @@ the id.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from ablate.budget import BudgetError, check_budget
 from ablate.config import ConfigError
 from ablate.diagnostics.schema import PROBE_ID, probe_key
 from ablate.policies import available_policies, get_policy, policy_class
+from ablate.seeding import keyed_seed
 
 #: What a probe logs of its pass: the ``mismatch/`` keys and what its mask changed.
 PROBE_REPLAY_KEYS = ("replay/budget_realized", "replay/override_rate", "replay/effective_budget")
@@ -158,8 +158,7 @@ def is_probed(step: int, every: int) -> bool:
 
 def probe_generator(seed: int, step: int, probe_id: str) -> torch.Generator:
     """The generator of one probe at one step: a function of (cell seed, step, probe id) only."""
-    digest = hashlib.blake2b(f"{seed}/{step}/{probe_id}".encode(), digest_size=8, person=b"ablate-probe").digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") % 2**63)
+    return torch.Generator().manual_seed(keyed_seed(f"{seed}/{step}/{probe_id}", b"ablate-probe"))
 
 
 def probe_record(probe_id: str, metrics: Mapping[str, float]) -> dict[str, float]:

@@ -19,7 +19,6 @@ loop's request id (:mod:`.request_ids`).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import re
 
@@ -29,6 +28,7 @@ from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from ablate.backends.verl.cpu import ROUTER_NOISE_ENV
+from ablate.seeding import keyed_seed
 
 _EXPERT_WEIGHT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
@@ -38,12 +38,8 @@ def server_name(replica_rank: int) -> str:
 
 
 def request_seed(seed: int, global_steps, request_id: str) -> int:
-    """A request's own seed: a stable hash of the rollout seed, the step and the request id.
-
-    ``hashlib`` rather than ``hash``: Python salts ``hash`` of a string per process.
-    """
-    digest = hashlib.blake2b(f"{int(seed)}|{global_steps}|{request_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+    """A request's own seed: a stable hash of the rollout seed, the step and the request id."""
+    return keyed_seed(f"{int(seed)}|{global_steps}|{request_id}")
 
 
 class NoisyRouters:
