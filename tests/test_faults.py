@@ -190,7 +190,10 @@ def check_every_file_reads(sweep_dir: Path) -> None:
         if (cell / "records.parquet").exists():
             pd.read_parquet(cell / "records.parquet")
         read_records(cell)
-        assert [p.name for p in cell.rglob("*.tmp")] == []
+        if inspect_cell(cell).state is CellState.COMPLETE:
+            # kill -9 mid-write leaves a temporary file no reader opens; the next claim of an
+            # unfinished cell removes it, and a complete cell is never claimed again, so none may be there
+            assert [p.name for p in cell.rglob("*.tmp")] == []
 
 
 @pytest.mark.slow
@@ -220,6 +223,7 @@ def test_kill_9_at_random_points_never_rewrites_a_complete_cell_nor_corrupts_a_f
         assert read_records(cell)["step"].tolist() == list(range(12))
         (run_dir,) = find_offline_runs(cell / "wandb")  # one W&B run per cell, however often it was cut
         assert read_offline_run(run_dir).complete
+        assert [p.name for p in cell.rglob("*.tmp")] == []  # every killed writer's leftovers were removed
 
 
 @pytest.mark.slow
