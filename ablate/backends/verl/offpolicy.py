@@ -32,7 +32,7 @@ def with_mismatch_metrics(calculate_debug_metrics):
 
 def install_in_trainer() -> None:
     """Wrap ``calculate_debug_metrics`` wherever verl's trainers call it, now or once imported."""
-    from ablate.backends.verl.patch import when_imported
+    from ablate.backends.verl.import_hooks import when_imported
 
     def wrap(module) -> None:
         original = module.calculate_debug_metrics

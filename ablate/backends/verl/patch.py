@@ -29,9 +29,6 @@ engine before verl itself does.
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
-import importlib.machinery
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ablate.backends.verl.import_hooks import when_imported
 from ablate.backends.verl.probes import probe_mismatch
 
 ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
@@ -345,38 +343,3 @@ def install_in_actor(make_hook: Callable[[], Any]) -> None:
         module.MegatronEngine.__init__ = __init__
 
     when_imported(ENGINE_MODULE, wrap)
-
-
-def when_imported(name: str, callback: Callable[[Any], None]) -> None:
-    """``callback(module)`` now if ``name`` is imported, else right after whoever imports it does."""
-    if name in sys.modules:
-        callback(sys.modules[name])
-    else:
-        sys.meta_path.insert(0, _AfterImport(name, callback))
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Calls ``callback(module)`` once ``name`` has been imported, by whoever imports it."""
-
-    def __init__(self, name: str, callback: Callable[[Any], None]) -> None:
-        self.name, self.callback = name, callback
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return spec
-        loader, callback = spec.loader, self.callback
-
-        class Loader(importlib.abc.Loader):
-            def create_module(self, spec):
-                return loader.create_module(spec)
-
-            def exec_module(self, module):
-                loader.exec_module(module)
-                callback(module)
-
-        spec.loader = Loader()
-        return spec

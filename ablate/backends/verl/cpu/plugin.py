@@ -1,7 +1,8 @@
 """Imported by verl in every one of its processes (``VERL_USE_EXTERNAL_MODULES``), at ``import verl``.
 
 It registers the CPU platform (selected by ``VERL_PLATFORM=cpu``), applies the CPU patches,
-names each rollout request after its sample (:mod:`.request_ids`) and registers the CPU rollout
+names each rollout request after its sample (:mod:`.request_ids`), orders each step's batch
+by prompt and sample (:mod:`.batch_order`) and registers the CPU rollout
 by name. verl imports it from inside its own ``__init__``, and in a
 Ray actor of the CPU rollout from inside :mod:`.rollout` itself (unpickling the actor class
 imports its module, which imports verl), so nothing here imports :mod:`.rollout`: the registries
@@ -14,12 +15,13 @@ from verl.workers.rollout import base
 from verl.workers.rollout.replica import RolloutReplicaRegistry
 
 from ablate.backends.verl.cpu import ROLLOUT_NAME, platform  # noqa: F401  (platform registers itself)
-from ablate.backends.verl.cpu import request_ids
+from ablate.backends.verl.cpu import batch_order, request_ids
 from ablate.backends.verl.cpu.patches import apply_all
 
 ROLLOUT_MODULE = "ablate.backends.verl.cpu.rollout"
 
 apply_all()
 request_ids.install()
+batch_order.install()
 RolloutReplicaRegistry.register(ROLLOUT_NAME, lambda: importlib.import_module(ROLLOUT_MODULE).CpuReplica)
 base._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = f"{ROLLOUT_MODULE}.CpuServerAdapter"
