@@ -36,7 +36,7 @@ class AnalysisSettings:
       exact sign-flip test can reach ``p < alpha`` (6 at 0.95).
     - ``adjust``: multiplicity adjustment within each family: Holm (family-wise error), BH
       (false discovery rate) or none.
-    - ``primary``: ordered primary questions (row selectors, :mod:`ablate.analysis.primary`),
+    - ``primary``: ordered primary questions (row selectors, :mod:`ablate.analysis.families`),
       tested by serial gatekeeping before anything else; the rest is exploratory.
     - ``margins``: per outcome, the equivalence margin in the outcome's units: rows test
       ``|effect| < margin`` (TOST) beside the difference test.
