@@ -241,3 +241,33 @@ def test_multi_objective_study_reports_a_non_dominated_front(tmp_path):
         assert [summary["final_reward"], summary["kl_k3_mean"]] == study.trials[number].values
     table = pd.read_csv(tmp_path / "runs" / "pareto_budget" / "optuna_trials.csv")
     assert {"values_final_reward", "values_kl_k3_mean", "params_policy", "params_budget"} <= set(table.columns)
+
+
+@pytest.mark.slow
+def test_a_killed_joblib_worker_fails_its_trial_only_and_the_study_goes_on(tmp_path):
+    """The study launches through the same wrapper as a grid sweep: a dead worker used to break
+    joblib's pool, end the study with a traceback and leave the other trial's cell ``running``."""
+    import os
+    import signal
+    import time
+
+    command = [sys.executable, "-m", "ablate", "-m", *TINY, "backend.steps=400", "tracking.mode=disabled",
+               "tracking.progress=false", f"store_dir={tmp_path / 'runs'}", "hydra/sweeper=ablate_optuna",
+               "sweep=killed", *FISHER_SPACE, "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2",
+               "hydra.sweeper.max_failure_rate=0.5", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]
+    study = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        running = [c for c in cells(tmp_path, "killed").values() if (c / "claim.json").exists() and (c / "records.jsonl").exists()]
+        if len(running) == 2:
+            break
+        time.sleep(0.2)
+    assert len(running) == 2, "both trials never ran at once"
+    victim = running[0]
+    os.kill(read_json(victim / "claim.json")["pid"], signal.SIGKILL)
+    out, _ = study.communicate(timeout=300)
+    assert study.returncode == 0, out[-3000:]
+    trials = {t.number: t.state for t in load_study(tmp_path, "killed").get_trials()}
+    killed = read_json(victim / "cell.json")["trial"]
+    assert trials == {killed: TrialState.FAIL, 1 - killed: TrialState.COMPLETE}, trials
+    assert read_json(cells(tmp_path, "killed")[1 - killed] / "status.json")["status"] == "complete"

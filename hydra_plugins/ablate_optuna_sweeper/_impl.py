@@ -79,10 +79,11 @@ class OptunaStudySweep:
         self.metric_names = list(metric_names) if metric_names is not None else None
         self.export_dir = export_dir
         self.job_idx = 0
+        self.hydra_context: Optional[HydraContext] = None
         self.last_error: Optional[BaseException] = None
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
-        self.config = config
+        self.config, self.hydra_context = config, hydra_context
         self.launcher = Plugins.instance().instantiate_launcher(
             config=config, hydra_context=hydra_context, task_function=task_function
         )
@@ -117,19 +118,72 @@ class OptunaStudySweep:
                 trial = study.ask(dict(space.distributions))
                 batch.append((trial.number, trial.params))
                 to_ask -= 1
-            returns = self.launcher.launch(
-                [[*(o for o in space.trial_overrides(params) if not o.startswith("store_dir=")), f"{TRIAL_KEY}={number}", store] for number, params in batch],
-                initial_job_idx=self.job_idx,
-            )
-            self.job_idx += len(returns)
-            for (number, params), result in zip(batch, returns):
-                self._tell(study, number, result)
+            jobs = [[*(o for o in space.trial_overrides(params) if not o.startswith("store_dir=")),
+                     f"{TRIAL_KEY}={number}", store] for number, params in batch]
+            for (number, params), result in zip(batch, self._launch(jobs)):
+                if result is not None:
+                    self._tell(study, number, result)
                 self._log_trial(study, number, params)
             self._check_failures(study)
         self._report(study)
 
-    def _tell(self, study: optuna.Study, number: int, result: JobReturn) -> None:
+    def _launch(self, jobs: list[list[str]]) -> list[Any]:
+        """One batch of trials through :func:`ablate.launchers.launch`, as a grid sweep launches cells.
+
+        So a killed worker fails its own trial only, and Ctrl-C or SIGTERM records every running
+        trial's cell as interrupted, under every launcher. The result of each job, in order: its
+        ``JobReturn``, a :class:`StoreOutcome` read from the run store where the launcher returned
+        none (a joblib pool that broke loses the results of the cells it had run), a
+        :class:`ConfigError` for a job whose config is invalid (never launched), or None for a trial
+        to leave RUNNING (interrupted: the next run relaunches it).
+        """
+        from ablate.cell import ConfigError
+        from ablate.launchers import launch, settle, stop_file
+        from ablate.sweep import plan_grid
+        from hydra_plugins.ablate_grid_sweeper.grid_sweeper import JobComposer
+
+        assert self.config is not None and self.hydra_context is not None
+        compose = JobComposer(self.config, self.hydra_context.config_loader)
+        planned: list[Any] = []
+        for job in jobs:
+            try:
+                planned.append(plan_grid([job], compose)[0])
+            except ConfigError as error:
+                planned.append(error)
+        cells = [cell for cell in planned if not isinstance(cell, ConfigError)]
+        sweep_dir = Path(self.config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        with stop_file(sweep_dir):
+            try:
+                returns = launch(self.launcher, cells, self.job_idx) if cells else []
+            finally:
+                settle(cells)  # a launcher may return while its workers still record their cells
+        self.job_idx += len(cells)
+        by_overrides = {tuple(result.overrides): result for result in returns if isinstance(result, JobReturn)}
+        return [cell if isinstance(cell, ConfigError) else self._result(cell, by_overrides.get(tuple(cell.overrides)))
+                for cell in planned]
+
+    def _result(self, cell: Any, returned: Optional[JobReturn]) -> Any:
+        from ablate.launchers import StoppedCell
+        from ablate.store import CellState, read_summary
+        from ablate.sweep import outcome
+
+        if returned is not None and returned.status.name != "COMPLETED":
+            return returned  # the job raised: _tell reads the error from it
+        if returned is not None and not isinstance(returned.return_value, StoppedCell):
+            return returned
+        state, view = outcome(cell)
+        if state is CellState.COMPLETE:
+            return StoreOutcome(read_summary(cell.directory), self.config)
+        if state is CellState.FAILED:
+            return StoreOutcome(None, self.config, f"{cell.cell.name}: {view.detail or 'its worker died'}")
+        return None  # interrupted or never started: RUNNING in the study, relaunched by the next run
+
+
+    def _tell(self, study: optuna.Study, number: int, result: Any) -> None:
         try:
+            if isinstance(result, Exception):  # its config is invalid: it never ran
+                raise result
             returned = result.return_value  # raises the job's exception when the job failed
         except Exception as error:
             log.warning("Trial %d failed: %s: %s", number, type(error).__name__, error)
@@ -334,3 +388,18 @@ def _values(returned: Any, expected: int) -> list[float]:
     if len(values) != expected:
         raise ValueError(f"{len(values)} value(s) for {expected} objective(s)")
     return values
+
+
+class StoreOutcome:
+    """A trial's result read from its cell in the run store, shaped as ``JobReturn.return_value`` is read."""
+
+    def __init__(self, summary: Optional[dict[str, Any]], config: Any, error: str = "") -> None:
+        self.summary, self.config, self.error = summary, config, error
+
+    @property
+    def return_value(self) -> Any:
+        from ablate.runner import objective_values
+
+        if self.summary is None:
+            raise RuntimeError(self.error)
+        return objective_values(self.config, self.summary)
