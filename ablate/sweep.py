@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 
 from ablate.cell import Cell, ConfigError, cell_from_config
 from ablate.policies import fixed_budget_of, load_plugins
-from ablate.store import CellState, CellView, inspect_cell, sweep_dir
+from ablate.store import CellState, CellView, StoreError, inspect_cell, make_directory, sweep_dir
 
 #: The words progress lines use for the states of the cells a sweep launches or waits for.
 PROGRESS_WORDS = {CellState.COMPLETE: "done", CellState.RUNNING: "running", CellState.FAILED: "failed",
@@ -87,6 +87,17 @@ def plan_grid(jobs: Sequence[Sequence[str]], compose: Callable[[list[str]], Dict
         directory = sweep_dir(cfg.store_dir, cell.sweep) / cell.dirname
         planned.append(PlannedCell(overrides, cell, directory, inspect_cell(directory, cell.cell_id)))
     return planned
+
+
+def make_sweep_directory(config: DictConfig) -> Path:
+    """Create the sweep's directory (``hydra.sweep.dir``), or end the sweep in one line that says what stands in the way."""
+    directory = Path(config.hydra.sweep.dir)
+    try:
+        make_directory(directory, "the sweep's directory")
+    except StoreError as error:
+        print(f"ablate: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    return directory
 
 
 def describe_plan(sweep: str, planned: Sequence[PlannedCell]) -> str:

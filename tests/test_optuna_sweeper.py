@@ -28,10 +28,15 @@ from hydra_plugins.ablate_optuna_sweeper._search_space import SearchSpaceError, 
 FISHER_SPACE = ["policy=fisher", "budget=0.25", "policy.tau=interval(0.0, 2.0)", "policy.per_layer=choice(true, false)"]
 
 
+def ablate_command(tmp_path: Path, *overrides: str, multirun: bool = False) -> list[str]:
+    """``python -m ablate`` with the tiny backend and its run store under ``tmp_path/runs``."""
+    return [sys.executable, "-m", "ablate", *(["-m"] if multirun else []), *TINY, "tracking.mode=disabled",
+            "tracking.progress=false", f"store_dir={tmp_path / 'runs'}", *overrides]
+
+
 def ablate(tmp_path: Path, *overrides: str, multirun: bool = False, check: bool = True) -> subprocess.CompletedProcess:
-    """``python -m ablate`` in ``tmp_path`` with the tiny backend and its run store under ``runs/``."""
-    command = [sys.executable, "-m", "ablate", *(["-m"] if multirun else []), *TINY, "tracking.mode=disabled", "tracking.progress=false",
-               f"store_dir={tmp_path / 'runs'}", *overrides]
+    """``python -m ablate`` run in ``tmp_path`` (:func:`ablate_command`)."""
+    command = ablate_command(tmp_path, *overrides, multirun=multirun)
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     if check and done.returncode != 0:
         raise AssertionError(f"{' '.join(command)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
@@ -251,10 +256,10 @@ def test_a_killed_joblib_worker_fails_its_trial_only_and_the_study_goes_on(tmp_p
     import signal
     import time
 
-    command = [sys.executable, "-m", "ablate", "-m", *TINY, "backend.steps=400", "tracking.mode=disabled",
-               "tracking.progress=false", f"store_dir={tmp_path / 'runs'}", "hydra/sweeper=ablate_optuna",
-               "sweep=killed", *FISHER_SPACE, "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2",
-               "hydra.sweeper.max_failure_rate=0.5", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]
+    command = ablate_command(tmp_path, "backend.steps=400", "hydra/sweeper=ablate_optuna", "sweep=killed",
+                             *FISHER_SPACE, "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2",
+                             "hydra.sweeper.max_failure_rate=0.5", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+                             multirun=True)
     study = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

@@ -14,7 +14,6 @@ import copy
 import logging
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -137,8 +136,8 @@ class AblateGridSweeper(BasicSweeper):
         from ablate.interrupts import as_interrupted, signals_interrupt
         from ablate.launchers import default_batch_size, launch, settle, stop_file
         from ablate.overrides import quoted_override
-        from ablate.store import StoreError, make_directory, store_root
-        from ablate.sweep import ProgressReporter, describe_plan, plan_grid, tally, wait_for_others
+        from ablate.store import store_root
+        from ablate.sweep import ProgressReporter, describe_plan, make_sweep_directory, plan_grid, tally, wait_for_others
 
         assert self.config is not None and self.launcher is not None and self.hydra_context is not None
         from ablate.app import load_command_plugins
@@ -166,12 +165,7 @@ class AblateGridSweeper(BasicSweeper):
                 print(f"{cell.prior.state.value:<11} {cell.cell.name:<28} {' '.join(shown)}")
             return []
 
-        sweep_dir = Path(self.config.hydra.sweep.dir)
-        try:
-            make_directory(sweep_dir, "the sweep's directory")
-        except StoreError as error:
-            print(f"ablate: {error}", file=sys.stderr, flush=True)
-            raise SystemExit(1) from None
+        sweep_dir = make_sweep_directory(self.config)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
 
         to_launch = [cell for cell in planned if cell.to_launch]

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import optuna
 from hydra.core.plugins import Plugins
-from hydra.core.utils import JobReturn
+from hydra.core.utils import JobReturn, JobStatus
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, ListConfig
 from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
@@ -91,6 +91,11 @@ class OptunaStudySweep:
     # --- the sweep ------------------------------------------------------------------------
 
     def sweep(self, arguments: list[str]) -> None:
+        from ablate.launchers import stop_file
+        from ablate.sweep import make_sweep_directory
+        from hydra_plugins.ablate_grid_sweeper.grid_sweeper import JobComposer
+
+        assert self.config is not None and self.hydra_context is not None
         space = parse_search_space([*(f"{k}={v}" for k, v in self.params.items()), *arguments])
         if any(o.split("=", 1)[0].lstrip("+~") == TRIAL_KEY for o in space.fixed) or TRIAL_KEY in space.distributions:
             raise ValueError(f"{TRIAL_KEY}=...: the sweeper sets the trial number of every trial; do not override it")
@@ -109,6 +114,13 @@ class OptunaStudySweep:
         # Every worker writes to the same store, wherever its working directory is (Ray, SLURM).
         # Quoted: Hydra parses it again, and a path may hold any character ("p (copy)", "é", ",").
         store = quoted_override("store_dir", str(store_root(str(self.config.store_dir))))
+        compose = JobComposer(self.config, self.hydra_context.config_loader)
+        with stop_file(make_sweep_directory(self.config)):  # named for every worker: a stopping study's queued trials do not start
+            self._run_batches(study, space, interrupted, to_ask, store, compose)
+        self._report(study)
+
+    def _run_batches(self, study: optuna.Study, space: Any, interrupted: list[FrozenTrial], to_ask: int,
+                     store: str, compose: Any) -> None:
         while interrupted or to_ask:
             batch: list[tuple[int, dict[str, Any]]] = []
             while interrupted and len(batch) < self.n_jobs:
@@ -120,14 +132,13 @@ class OptunaStudySweep:
                 to_ask -= 1
             jobs = [[*(o for o in space.trial_overrides(params) if not o.startswith("store_dir=")),
                      f"{TRIAL_KEY}={number}", store] for number, params in batch]
-            for (number, params), result in zip(batch, self._launch(jobs)):
+            for (number, params), result in zip(batch, self._launch(jobs, compose)):
                 if result is not None:
                     self._tell(study, number, result)
                 self._log_trial(study, number, params)
             self._check_failures(study)
-        self._report(study)
 
-    def _launch(self, jobs: list[list[str]]) -> list[Any]:
+    def _launch(self, jobs: list[list[str]], compose: Any) -> list[Any]:
         """One batch of trials through :func:`ablate.launchers.launch`, as a grid sweep launches cells.
 
         So a killed worker fails its own trial only, and Ctrl-C or SIGTERM records every running
@@ -138,12 +149,9 @@ class OptunaStudySweep:
         to leave RUNNING (interrupted: the next run relaunches it).
         """
         from ablate.cell import ConfigError
-        from ablate.launchers import launch, settle, stop_file
+        from ablate.launchers import launch, settle
         from ablate.sweep import plan_grid
-        from hydra_plugins.ablate_grid_sweeper.grid_sweeper import JobComposer
 
-        assert self.config is not None and self.hydra_context is not None
-        compose = JobComposer(self.config, self.hydra_context.config_loader)
         planned: list[Any] = []
         for job in jobs:
             try:
@@ -151,13 +159,10 @@ class OptunaStudySweep:
             except ConfigError as error:
                 planned.append(error)
         cells = [cell for cell in planned if not isinstance(cell, ConfigError)]
-        sweep_dir = Path(self.config.hydra.sweep.dir)
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        with stop_file(sweep_dir):
-            try:
-                returns = launch(self.launcher, cells, self.job_idx) if cells else []
-            finally:
-                settle(cells)  # a launcher may return while its workers still record their cells
+        try:
+            returns = launch(self.launcher, cells, self.job_idx) if cells else []
+        finally:
+            settle(cells)  # a launcher may return while its workers still record their cells
         self.job_idx += len(cells)
         by_overrides = {tuple(result.overrides): result for result in returns if isinstance(result, JobReturn)}
         return [cell if isinstance(cell, ConfigError) else self._result(cell, by_overrides.get(tuple(cell.overrides)))
@@ -168,7 +173,7 @@ class OptunaStudySweep:
         from ablate.store import CellState, read_summary
         from ablate.sweep import outcome
 
-        if returned is not None and returned.status.name != "COMPLETED":
+        if returned is not None and returned.status is not JobStatus.COMPLETED:
             return returned  # the job raised: _tell reads the error from it
         if returned is not None and not isinstance(returned.return_value, StoppedCell):
             return returned
@@ -178,7 +183,6 @@ class OptunaStudySweep:
         if state is CellState.FAILED:
             return StoreOutcome(None, self.config, f"{cell.cell.name}: {view.detail or 'its worker died'}")
         return None  # interrupted or never started: RUNNING in the study, relaunched by the next run
-
 
     def _tell(self, study: optuna.Study, number: int, result: Any) -> None:
         try:

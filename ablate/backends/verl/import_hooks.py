@@ -1,7 +1,7 @@
 """Run a function on a module once it is imported, without importing it first.
 
-The hook's patches and the CPU plugin's patch modules that only one of verl's processes imports
-(the Megatron engine's, the trainer's), and that take seconds to import: importing them to patch
+The hook and the CPU plugin patch modules that only one of verl's processes imports (the
+Megatron engine's, the trainer's) and that take seconds to import: importing them just to patch
 them would slow every other process's start. :func:`when_imported` waits for the import instead.
 """
 

@@ -11,8 +11,8 @@ apart in the last bits.
 dataloader yields the prompts (still unique within a run, still in ``uuid`` form), and a batch's
 keys, ``<uid>_<sample>_<output>``, are sorted by prompt, then sample, then output. A run is then
 the same bit for bit whenever its samples are, which is what lets a probed run be compared with
-an unprobed one exactly. Applied in every verl process by :mod:`.plugin`; only the trainer's
-process calls either function.
+an unprobed one exactly. :mod:`.plugin` installs it in every verl process; it takes effect
+only in the trainer's, the one process that imports the trainer's module.
 """
 
 from __future__ import annotations
