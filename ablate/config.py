@@ -11,7 +11,7 @@ Two layers of validation, both before a cell writes anything:
   backend under ``ablate/backends/`` and is registered there, in the same way.
 - Values. Every dataclass has a ``check()`` that raises :class:`ConfigError` naming the config
   key, its value and what was expected (``backend.topk=9: expected an integer in [1, 8]
-  (backend.experts)``). :func:`ablate.cell.cell_from_config` calls :meth:`AppConfig.check`,
+  (backend.experts)``). :func:`ablate.compose.cell_from_config` calls :meth:`AppConfig.check`,
   which checks every section.
 """
 
@@ -175,6 +175,10 @@ class TrackingConfig:
     #: on it; an online run that cannot start continues offline, ready for ``wandb sync``.
     init_timeout: float = 10.0
     progress: bool = True
+    #: What sets the cell's arm apart from the other arms of its sweep beyond policy, budget and seed
+    #: (``backend.router_noise=0.2``): the grid sweeper fills it so that two arms' W&B runs never
+    #: share a display name; "" for a cell run alone.
+    label: str = ""
 
     def tag_list(self) -> list[str]:
         return [self.tags] if isinstance(self.tags, str) else list(self.tags)
@@ -223,7 +227,7 @@ class AppConfig:
     sweep: str = "adhoc"
     #: Root of the run store, relative to the directory the command was started in.
     store_dir: str = "runs"
-    #: Outcome returned to Hydra sweepers (see ablate.analysis.outcomes): a summary key, or a list
+    #: Outcome returned to Hydra sweepers (see ablate.outcomes): a summary key, or a list
     #: of keys for a multi-objective study. ``Any``: OmegaConf 2.3 has no Union[str, list[str]].
     objective: Any = "final_reward"
     #: Optuna trial number when the cell is a trial of a study.
@@ -241,13 +245,9 @@ class AppConfig:
     probe_every: int = 10
 
     def check(self) -> None:
-        """Every section and every top-level value (the budget is checked with its policy, the
-        objective with the outcomes: :func:`ablate.analysis.outcomes.check_objective`)."""
-        from ablate.backends import backend_names
-
-        # A misspelt backend.name composes (the field is a string) but has nothing to run the cell.
-        require(self.backend.name in backend_names(), "backend.name", self.backend.name,
-                f"one of {', '.join(backend_names())} (choose a backend with backend=<name>)")
+        """Every section and every top-level value. What needs more than the config itself is
+        checked where the cell is composed (:mod:`ablate.compose`): the backend's name against the
+        registry, the budget against its policy, the objective against the outcomes."""
         self.backend.check()
         self.policy.check()
         self.tracking.check()

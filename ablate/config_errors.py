@@ -1,4 +1,4 @@
-"""One line for a broken ``--config-dir``: the file and the problem, never Hydra's traceback.
+"""One line for a broken command line or ``--config-dir``: what and where, never Hydra's traceback.
 
 Hydra prints 80 to 100 lines of traceback when a YAML file of a ``--config-dir`` does not parse,
 or when an interpolation in it names a key or an environment variable that does not exist. Both
@@ -9,6 +9,9 @@ are a user's typo in a file, so both are reported as ``<file>: <problem>``:
   where the error cannot be caught. A broken file that no command selects is left alone.
 - Interpolations resolve when the sweeper plans its cells; the error names the config key, and
   the file of the ``--config-dir`` that sets that key to an interpolation, where one does.
+- Overrides are parsed before Hydra starts: one that Hydra's grammar cannot read (an unquoted
+  non-ASCII letter, a stray bracket) and a config-group choice too long to be a file name are
+  named in one line, with the quoting that fixes the first.
 """
 
 from __future__ import annotations
@@ -20,6 +23,44 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import yaml
+
+
+#: Hydra's flags that take the next argument as their value (``-sc install=bash`` is not an override).
+FLAGS_WITH_VALUES = {"-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name", "-cd",
+                     "--config-dir", "--experimental-rerun", "-sc", "--shell-completion"}
+#: The longest config-group choice: ``<choice>.yaml`` must fit in a file name (255 bytes).
+MAX_CHOICE_BYTES = 250
+
+
+def command_line_overrides(argv: Sequence[str]) -> list[str]:
+    """The arguments of a Hydra command line that are overrides (``key=value``, ``~key``)."""
+    overrides = []
+    for index, arg in enumerate(argv):
+        follows_flag = index > 0 and argv[index - 1] in FLAGS_WITH_VALUES
+        if not arg.startswith("-") and not follows_flag:
+            overrides.append(arg)
+    return overrides
+
+
+def override_problem(argv: Sequence[str]) -> str | None:
+    """``<override>: ...`` for the first override Hydra would refuse to read, or None."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    for text in command_line_overrides(argv):
+        try:
+            (override,) = parser.parse_overrides([text])
+        except OverrideParseException as error:
+            reason = str(error.message).splitlines()[0].split(":")[0]
+            key, _, value = text.partition("=")
+            fix = f" (quote the value: {key}='{value}')" if value and not value.startswith(("'", '"')) else ""
+            return f"{text}: Hydra cannot read this override ({reason}){fix}"
+        value = override.value()
+        if "." not in override.key_or_group and isinstance(value, str) and len(value.encode()) > MAX_CHOICE_BYTES:
+            return (f"{override.key_or_group}={value[:40]}... ({len(value.encode())} bytes): expected a name of at "
+                    f"most {MAX_CHOICE_BYTES} bytes (it names a config file)")
+    return None
 
 
 def config_dir(argv: Sequence[str]) -> Path | None:

@@ -32,9 +32,11 @@ import numbers
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ablate import config
+from ablate.routes import Routes, token_chunks
 
 Estimator = Literal["router_logits", "expert_outputs", "expert_params"]
 Normalization = Literal["none", "layer", "global"]
@@ -250,3 +252,31 @@ def linear_param_sq_grads(inputs: Tensor, output_grads: Tensor, *, bias: bool = 
     """
     grad_sq = output_grads.float().square().sum(-1)
     return grad_sq * (inputs.float().square().sum(-1) + float(bias))
+
+
+def route_scores(estimate: Tensor, routes: Routes) -> Tensor:
+    """``[tokens, layers]`` Fisher score of each rollout route: ``sum_{e in route} F[l, e]``."""
+    expected = (routes.num_layers, routes.num_experts)
+    if tuple(estimate.shape) != expected:
+        raise FisherError(f"Fisher estimate has shape {tuple(estimate.shape)}: expected [layers, experts]={expected}")
+    table = estimate.to(device=routes.device, dtype=torch.float32).reshape(-1, 1)
+    # One bag of k (layer, expert) rows per route: embedding_bag sums the k scores in one fused
+    # gather, over chunks of tokens, instead of k full-size int64 index tensors and gathers.
+    layer_base = (torch.arange(routes.num_layers, device=routes.device, dtype=torch.int32) * routes.num_experts)[:, None]
+    # Invalid tokens score 0, and padding may hold any id. When most tokens are valid, scoring
+    # every token over contiguous slices (padding ids clamped into range, their scores zeroed
+    # after) is cheaper than gathering the valid rows out and scattering their scores back.
+    valid_count = routes.num_valid_tokens
+    every_row = 2 * valid_count >= routes.num_tokens
+    padded = every_row and valid_count < routes.num_tokens  # rows of padding are scored, then zeroed
+    score = torch.zeros(routes.num_tokens, routes.num_layers, device=routes.device)
+    chunks = token_chunks(routes.num_tokens if every_row else routes.valid, routes.num_layers * routes.topk)
+    for rows in chunks:
+        ids = routes.rollout[rows].to(torch.int32, copy=True)  # written in place below
+        if padded:
+            ids.clamp_(0, routes.num_experts - 1)
+        bags = ids.add_(layer_base).reshape(-1, routes.topk)
+        score[rows] = F.embedding_bag(bags, table, mode="sum").reshape(-1, routes.num_layers)
+    if padded:
+        score.masked_fill_(~routes.valid[:, None], 0.0)
+    return score

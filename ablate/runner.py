@@ -17,16 +17,17 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from ablate.analysis.outcomes import cell_outcomes
 from ablate.backends import RunContext, get_backend
-from ablate.cell import Cell, ConfigError, cell_from_config, resolved_config
+from ablate.cell import Cell
+from ablate.compose import ConfigError, cell_from_config
 from ablate.config import choice_value
 from ablate.diagnostics import validate_record
 from ablate.interrupts import as_interrupted, check_not_stopping, signals_interrupt
+from ablate.outcomes import cell_outcomes
 from ablate.progress import Progress
 from ablate.store import (
     CELL_FILE,
@@ -41,7 +42,6 @@ from ablate.store import (
     inspect_cell,
     read_json,
     read_summary,
-    sweep_dir,
 )
 from ablate.tracking import WandbTracker, start_tracker
 
@@ -57,10 +57,6 @@ def in_multirun() -> bool:
     from hydra.types import RunMode
 
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-
-
-def cell_directory(cfg: DictConfig, cell: Cell) -> Path:
-    return sweep_dir(cfg.store_dir, cell.sweep) / cell.dirname
 
 
 def wandb_run_id(directory: Path) -> str:
@@ -81,27 +77,30 @@ def wandb_run_id(directory: Path) -> str:
 
 
 def run_cell(cfg: DictConfig) -> dict[str, Any]:
+    """Compose the cell of ``cfg`` and run it (:func:`run`): the testable function of the app."""
+    return run(cell_from_config(cfg))
+
+
+def run(cell: Cell) -> dict[str, Any]:
     """Run one cell and return its summary; a complete cell is not rerun (``summary["skipped"]``).
 
-    Raises :class:`~ablate.cell.ConfigError` for a bad config (nothing written),
+    Raises :class:`~ablate.config.ConfigError` for a launch its backend refuses (nothing written),
     :class:`~ablate.store.CellBusy` when another live worker holds the cell,
     :class:`~ablate.store.ClaimLost` when another worker took the cell over while this one was
     paused (nothing more is written),
-    :class:`~ablate.interrupts.Interrupted` on Ctrl-C or SIGTERM (the cell is recorded as
+    :class:`~ablate.interrupts.Interrupted` on Ctrl-C, SIGTERM or SIGHUP (the cell is recorded as
     interrupted), and the backend's own error when the cell fails (recorded as failed).
     """
-    cell = cell_from_config(cfg)
     preflight = get_backend(cell.backend.name).preflight
     if getattr(cell.backend, "dry_run", False):  # a checked launch command; nothing is written
         return {"dry_run": preflight(cell) if preflight else f"backend={cell.backend.name} runs in process"}
-    directory = cell_directory(cfg, cell)
+    directory = cell.directory
     if inspect_cell(directory, cell.cell_id).state is CellState.COMPLETE:
         log.info("%s: complete in %s, skipped", cell.name, directory)
         return {**read_summary(directory), "skipped": True}
     check_not_stopping()  # a worker of a stopping sweep starts no new cell, nor checks its launch
     if preflight is not None:  # a launch that cannot work fails here, before the cell is written
         preflight(cell)
-    resolved = resolved_config(cfg)
     check_not_stopping()  # the sweep may have stopped during the launch check
     with signals_interrupt(), held(directory) as claim:
         view = inspect_cell(directory, cell.cell_id)
@@ -113,15 +112,14 @@ def run_cell(cfg: DictConfig) -> dict[str, Any]:
             CellIdentity(
                 cell_id=cell.cell_id, name=cell.name, sweep=cell.sweep, backend=cell.backend.name, policy=cell.policy,
                 budget=cell.budget, seed=cell.seed, trial=cell.trial, variant=cell.variant,
-                settings=cell.policy_settings, schema_version=resolved["schema_version"], wandb_run_id=run_id,
+                settings=cell.policy_settings, schema_version=cell.resolved["schema_version"], wandb_run_id=run_id,
             ).to_json(),
-            OmegaConf.to_yaml(resolved), view.attempt + 1,
+            OmegaConf.to_yaml(cell.resolved), view.attempt + 1,
         )
-        return _run_started_cell(cfg, cell, resolved, recorder, run_id)
+        return _run_started_cell(cell, recorder, run_id)
 
 
-def _run_started_cell(cfg: DictConfig, cell: Cell, resolved: dict[str, Any], recorder: CellRecorder,
-                      run_id: str) -> dict[str, Any]:
+def _run_started_cell(cell: Cell, recorder: CellRecorder, run_id: str) -> dict[str, Any]:
     """Everything after the cell's files exist runs inside one ``try``: an interrupt while W&B
     starts is recorded like one in the middle of a step."""
     strict = os.environ.get(STRICT_SCHEMA_ENV) == "1"
@@ -139,14 +137,13 @@ def _run_started_cell(cfg: DictConfig, cell: Cell, resolved: dict[str, Any], rec
         progress.update(step, record)
 
     try:
+        tracking = cell.tracking
         tracker = start_tracker(
-            mode=choice_value(cfg.tracking.mode), project=cfg.tracking.project, entity=cfg.tracking.entity,
-            tags=OmegaConf.to_object(cfg.tracking).tag_list(), run_dir=recorder.dir, run_id=run_id,
-            group=cell.sweep, job_type=cell.policy, name=cell.name, config=cell.flat_config(resolved),
-            init_timeout=cfg.tracking.init_timeout,
+            mode=choice_value(tracking.mode), project=tracking.project, entity=tracking.entity,
+            tags=tracking.tag_list(), run_dir=recorder.dir, run_id=run_id, group=cell.sweep, job_type=cell.policy,
+            name=cell.display_name, config=cell.flat_config(), init_timeout=tracking.init_timeout,
         )
-        progress = Progress(cell.name, int(getattr(cell.backend, "steps", 0) or 0),
-                            enabled=cfg.tracking.progress and not in_multirun())
+        progress = Progress(cell.name, cell.steps, enabled=tracking.progress and not in_multirun())
         get_backend(cell.backend.name).run(cell, RunContext(directory=recorder.dir, log_step=log_step, log=log))
         if recorder.records.empty:  # a complete cell always has records: the analysis relies on it
             raise RuntimeError(f"backend={cell.backend.name} returned without logging a step")
@@ -180,7 +177,7 @@ def _close_tracker(tracker: WandbTracker | None, recorder: CellRecorder, exit_co
 
 
 def summarize_records(records) -> dict[str, Any]:
-    """Outcomes (ablate.analysis.outcomes) plus the last value of every logged key."""
+    """Outcomes (ablate.outcomes) plus the last value of every logged key."""
     summary: dict[str, Any] = {}
     if not records.empty:
         last = records.iloc[-1]
@@ -196,25 +193,30 @@ def objective(summary: dict[str, Any], name: str) -> float:
     return float(summary[name])
 
 
-def objective_values(cfg: DictConfig, summary: dict[str, Any]) -> float | list[float]:
-    if isinstance(cfg.objective, ListConfig):
-        return [objective(summary, str(name)) for name in cfg.objective]
-    return objective(summary, cfg.objective)
+def objective_values(cell: Cell, summary: dict[str, Any]) -> float | list[float]:
+    values = [objective(summary, name) for name in cell.objective]
+    return values if cell.multi_objective else values[0]
 
 
 def run_cell_from_cli(cfg: DictConfig) -> float | list[float]:
-    """The app's task: run the cell and return its objective for a sweeper.
+    """The app's task: compose the cell, run it and return its objective for a sweeper.
 
     Run alone (not in a sweep), a bad config, a busy cell or an interrupt ends the command with
     one line and the conventional exit status (2 for a bad config, 130 for Ctrl-C, 143 for
-    SIGTERM), and every cell ends with one line saying where its results are. In a sweep, the
-    exceptions propagate to the sweeper, which reports for the whole grid.
+    SIGTERM, 129 for SIGHUP), and every cell ends with one line saying where its results are. In
+    a sweep, the exceptions propagate to the sweeper, which reports for the whole grid.
     """
     if in_multirun():
-        return objective_values(cfg, run_cell(cfg))
+        cell = cell_from_config(cfg)
+        return objective_values(cell, run(cell))
     started = time.monotonic()
     try:
-        summary = run_cell(cfg)
+        cell = cell_from_config(cfg)
+    except ConfigError as error:
+        _exit(str(error), 2)
+    where = f"{cell.name} ({cell.directory})"
+    try:
+        summary = run(cell)
     except ConfigError as error:
         _exit(str(error), 2)
     except CellBusy as error:
@@ -223,32 +225,24 @@ def run_cell_from_cli(cfg: DictConfig) -> float | list[float]:
         _exit(str(error), 1)
     except KeyboardInterrupt as error:
         interrupted = as_interrupted(error)
-        cell = cell_from_config(cfg)
-        recorded = inspect_cell(cell_directory(cfg, cell)).state is CellState.INTERRUPTED
+        recorded = inspect_cell(cell.directory).state is CellState.INTERRUPTED
         what = ("is recorded as interrupted with the steps it logged; run the same command again to rerun it"
                 if recorded else "had not started")
-        _exit(f"interrupted by {interrupted.signal_name}: {_where(cfg)} {what}", interrupted.exit_status)
+        _exit(f"interrupted by {interrupted.signal_name}: {where} {what}", interrupted.exit_status)
     except Exception as error:
-        print(f"{_where(cfg)}: failed after {time.monotonic() - started:.1f} s: {describe_error(error)} "
-              "(the traceback is also in its status.json)", file=sys.stderr, flush=True)
-        raise
+        _exit(f"{where}: failed after {time.monotonic() - started:.1f} s: {describe_error(error)} (its traceback is "
+              "in status.json)", 1)
     if "dry_run" in summary:
         print(summary["dry_run"], flush=True)
-        print(f"{cell_from_config(cfg).name}: dry run, nothing run or written", flush=True)
+        print(f"{cell.name}: dry run, nothing run or written", flush=True)
         return math.nan
     outcome = "already complete, skipped" if summary.get("skipped") else f"complete in {time.monotonic() - started:.1f} s"
-    values = objective_values(cfg, summary)
-    names = list(cfg.objective) if isinstance(cfg.objective, ListConfig) else [cfg.objective]
-    shown = ", ".join(f"{name}={value:.4g}" for name, value in zip(names, values if isinstance(values, list) else [values]))
-    print(f"{_where(cfg)}: {outcome}, {shown}", flush=True)
+    values = objective_values(cell, summary)
+    shown = ", ".join(f"{name}={value:.4g}" for name, value in zip(cell.objective, values if isinstance(values, list) else [values]))
+    print(f"{where}: {outcome}, {shown}", flush=True)
     return values
 
 
-def _where(cfg: DictConfig) -> str:
-    cell = cell_from_config(cfg)
-    return f"{cell.name} ({cell_directory(cfg, cell)})"
-
-
-def _exit(message: str, status: int) -> None:
+def _exit(message: str, status: int) -> NoReturn:
     print(f"ablate: {message}", file=sys.stderr, flush=True)
     raise SystemExit(status)

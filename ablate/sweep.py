@@ -30,9 +30,10 @@ from typing import TextIO
 
 from omegaconf import DictConfig
 
-from ablate.cell import Cell, ConfigError, cell_from_config
+from ablate.cell import Cell
+from ablate.compose import ConfigError, cell_from_config
 from ablate.policies import fixed_budget_of, load_plugins
-from ablate.store import CellState, CellView, StoreError, inspect_cell, make_directory, sweep_dir
+from ablate.store import CellState, CellView, StoreError, inspect_cell, make_directory
 
 #: The words progress lines use for the states of the cells a sweep launches or waits for.
 PROGRESS_WORDS = {CellState.COMPLETE: "done", CellState.RUNNING: "running", CellState.FAILED: "failed",
@@ -84,8 +85,7 @@ def plan_grid(jobs: Sequence[Sequence[str]], compose: Callable[[list[str]], Dict
         if cell.cell_id in seen:
             continue
         seen.add(cell.cell_id)
-        directory = sweep_dir(cfg.store_dir, cell.sweep) / cell.dirname
-        planned.append(PlannedCell(overrides, cell, directory, inspect_cell(directory, cell.cell_id)))
+        planned.append(PlannedCell(overrides, cell, cell.directory, inspect_cell(cell.directory, cell.cell_id)))
     return planned
 
 

@@ -20,7 +20,7 @@ import time
 from hydra import compose, initialize_config_module
 
 import ablate.backends.synthetic as synthetic
-from ablate.cell import cell_from_config
+from ablate.compose import cell_from_config
 from ablate.config import AppConfig
 
 SIX = "[none,full,random@0.25,uniform@0.25,fisher@0.25,mismatch@0.25]"

@@ -31,7 +31,7 @@ from ablate.backends.synthetic import (
     token_log_probs,
 )
 from ablate.backends.synthetic_config import BACKEND
-from ablate.cell import cell_from_config
+from ablate.compose import cell_from_config
 
 
 def timed(function: Callable[[], object], repeats: int) -> tuple[float, float]:

@@ -5,7 +5,7 @@ and prints per policy the means over steps and seeds of the figures real systems
 and token mismatch, train-inference ``kl_k3``, extreme-token fraction, clip fraction), the reward
 curve (mean reward in five equal windows of steps), the final expert drift, the final reward
 over seeds (mean, min, max), the reward AUC, how many seeds
-collapsed (``ablate.analysis.outcomes``: relative to chance-level reward) and the CPU seconds
+collapsed (``ablate.outcomes``: relative to chance-level reward) and the CPU seconds
 per cell. Then the paired differences of final reward and reward AUC between the first two
 policies, with exact sign-flip p-values. The calibration tables of the docs' results pages come from here.
 
@@ -35,7 +35,7 @@ def run_cell(overrides: list[str]) -> tuple[pd.DataFrame, float]:
     from hydra import compose, initialize_config_module
 
     from ablate.backends.synthetic import run_cell_steps
-    from ablate.cell import cell_from_config
+    from ablate.compose import cell_from_config
 
     with initialize_config_module(config_module="ablate.conf", version_base="1.3"):
         cell = cell_from_config(compose("config", overrides=overrides))
@@ -46,7 +46,7 @@ def run_cell(overrides: list[str]) -> tuple[pd.DataFrame, float]:
 
 
 def summarize(runs: list[tuple[pd.DataFrame, float]]) -> dict[str, object]:
-    from ablate.analysis.outcomes import cell_outcomes
+    from ablate.outcomes import cell_outcomes
 
     frames = [frame for frame, _ in runs]
     outcomes = [cell_outcomes(frame) for frame in frames]

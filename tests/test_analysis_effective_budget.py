@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from ablate.analysis.matched import interpolate, matched_pairs, seed_curves
-from ablate.analysis.outcomes import cell_outcomes
+from ablate.outcomes import cell_outcomes
 from ablate.analysis.tables import effects, summarize
 
 BUDGETS = (0.05, 0.1, 0.25, 0.5, 0.75)

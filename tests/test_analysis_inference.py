@@ -202,7 +202,7 @@ def test_e_process_by_hand_and_its_error_under_repeated_looks():
 def test_collapse_times_survival_curves_and_the_paired_logrank_test():
     import pandas as pd
 
-    from ablate.analysis.outcomes import collapse_onset
+    from ablate.outcomes import collapse_onset
     from ablate.analysis.survival import kaplan_meier, paired_logrank_pvalue, time_to_collapse
 
     reward = np.concatenate([np.linspace(0.0, 1.0, 20), np.full(30, 0.1)])

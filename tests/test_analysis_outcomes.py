@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ablate.analysis.outcomes import OUTCOME_NAMES, cell_outcomes
+from ablate.outcomes import OUTCOME_NAMES, cell_outcomes
 
 
 def _records(reward, **columns):
@@ -104,7 +104,7 @@ def test_bad_settings_are_named():
 def test_core_modules_import_without_plotting_or_scipy():
     # The cell runner imports cell_outcomes in every cell: it must stay numpy/pandas only.
     code = (
-        "import sys, ablate.analysis, ablate.analysis.outcomes, ablate.analysis.stats, "
+        "import sys, ablate.analysis, ablate.outcomes, ablate.analysis.stats, "
         "ablate.analysis.tables, ablate.analysis.load, ablate.analysis.flags, ablate.analysis.export, "
         "ablate.analysis.cli\n"
         "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'matplotlib', 'scipy', 'wandb'})\n"

@@ -1,4 +1,4 @@
-"""load_runs on a run store written by hand per the layout of ablate/store.py, and ablate-analyze end to end."""
+"""load_runs on a run store written by hand per the layout of ablate/store/layout.py, and ablate-analyze end to end."""
 
 import json
 import math
@@ -14,7 +14,7 @@ import yaml
 
 from ablate.analysis.cli import main
 from ablate.analysis.load import CorruptCellError, ExcludedCellsWarning, MixedSchemaWarning, load_runs
-from ablate.analysis.outcomes import OUTCOME_NAMES, cell_outcomes
+from ablate.outcomes import OUTCOME_NAMES, cell_outcomes
 
 SWEEP = "toy"
 BUDGETS = (0.25, 0.5)

@@ -83,7 +83,7 @@ def test_an_installed_backend_composes_with_its_own_typed_config_and_runs_a_cell
     from hydra.errors import ConfigCompositionException
     from omegaconf.errors import ValidationError
 
-    from ablate.cell import ConfigError, cell_from_config
+    from ablate.compose import ConfigError, cell_from_config
     from ablate.runner import run_cell
 
     assert "counter" in backends.backend_names()

@@ -26,7 +26,7 @@ def test_an_unknown_backend_or_a_wrong_object_is_one_clear_line(monkeypatch):
 
 
 def test_a_backend_reads_its_typed_settings_from_the_cell():
-    from ablate.cell import cell_from_config
+    from ablate.compose import cell_from_config
 
     cell = cell_from_config(compose_config("backend=noop", "policy=none", tiny=False))
     assert isinstance(get_backend("noop").config_of(cell), NoopConfig)

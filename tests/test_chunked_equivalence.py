@@ -10,7 +10,7 @@ import torch
 import ablate.routes
 from ablate import Routes, RoutesError, get_policy, replay_count
 from ablate.diagnostics import expert_load, route_diagnostics
-from ablate.policies.builtin import route_scores
+from ablate.fisher import route_scores
 from ablate.routes import group_chunks, overlap_count, token_chunks
 
 

@@ -28,7 +28,7 @@ from ablate import Routes, get_policy
 from ablate.backends.verl.counters import micro_batch_counts
 from ablate.backends.verl.selection import select_micro_batch
 from ablate.diagnostics import expert_load, route_counts
-from ablate.policies.builtin import route_scores
+from ablate.fisher import route_scores
 
 POLICIES = {
     "random": ("random", {}),

@@ -20,7 +20,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 
-from ablate.cell import ConfigError
+from ablate.config import ConfigError
 from ablate.runner import run_cell
 from ablate.store import CellState, read_json
 from ablate.sweep import (

@@ -20,7 +20,7 @@ from omegaconf.errors import ValidationError
 
 from ablate.app import plugins_from_arguments
 from ablate.arms import arm_name, arm_policy
-from ablate.cell import ConfigError, cell_from_config
+from ablate.compose import ConfigError, cell_from_config
 from ablate.policies import (
     PolicyError,
     ReplayPolicy,

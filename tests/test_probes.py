@@ -12,7 +12,7 @@ from conftest import compose_config
 from omegaconf import OmegaConf
 
 from ablate.backends.synthetic import run_cell_steps
-from ablate.cell import cell_from_config
+from ablate.compose import cell_from_config
 from ablate.config import ConfigError
 from ablate.diagnostics import PROBE_KEYS, SCHEMA, check_record, probe_key, split_probe_key, to_json_schema, validate_record
 from ablate.probes import parse_probes, probe_generator, probe_table

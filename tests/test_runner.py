@@ -13,7 +13,7 @@ from conftest import compose_config
 from ablate.backends import BACKENDS, Backend
 from ablate.backends.noop import NoopConfig
 from ablate.backends.synthetic_config import SyntheticConfig
-from ablate.cell import ConfigError, cell_from_config
+from ablate.compose import ConfigError, cell_from_config
 from ablate.diagnostics import SCHEMA, SCHEMA_VERSION, validate_record
 from ablate.runner import run_cell
 from ablate.store import read_json, read_summary

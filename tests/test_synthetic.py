@@ -25,7 +25,7 @@ from ablate.backends.synthetic import (
     sample_prompts,
     token_log_probs,
 )
-from ablate.cell import cell_from_config
+from ablate.compose import cell_from_config
 from ablate.backends.synthetic_config import SyntheticConfig
 from ablate.diagnostics import validate_record
 

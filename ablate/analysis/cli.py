@@ -33,7 +33,7 @@ from ablate.analysis.compare import compare_values, parse_comparison
 from ablate.analysis.dropped import dropped_line
 from ablate.analysis.flags import flag_policies
 from ablate.analysis.load import CorruptCellError, ExcludedCellsWarning, load_runs, parse_where, sweep_dir
-from ablate.analysis.outcomes import OUTCOME_NAMES
+from ablate.outcomes import OUTCOME_NAMES
 from ablate.analysis.families import parse_selector
 from ablate.analysis.probes import PROBE_OUTCOMES, across_cells, step_effects, within_run
 from ablate.analysis.settings import INTERVAL_METHODS, AnalysisSettings, parse_outcome_values

@@ -1,7 +1,7 @@
 """Imports from the ``analysis`` extra, with an error that says how to install it.
 
 matplotlib, scipy and wandb-workspaces come with ``pip install 'ablate[analysis]'``, not with
-the base install, so that a cell (which only needs :mod:`ablate.analysis.outcomes`) never pulls
+the base install, so that a cell (which only needs :mod:`ablate.outcomes`) never pulls
 them in. Every module of ``ablate.analysis`` imports them through :func:`require`, at the point
 of use.
 """

@@ -50,7 +50,7 @@ from typing import Any, Sequence
 import numpy as np
 import pandas as pd
 
-from ablate.analysis.outcomes import HIGHER_IS_BETTER
+from ablate.outcomes import HIGHER_IS_BETTER
 from ablate.analysis.paired import paired_interval
 from ablate.analysis.settings import AnalysisSettings
 from ablate.analysis.signflip import SignFlip

@@ -26,7 +26,7 @@ named regime, ``backend=synthetic_async``, go with ``backend.regime``) is no arm
 ``df.attrs["determined_keys"]`` maps it to the key that determines it. ``where={"backend.steps": 5}`` keeps only the matching cells first
 (any config key or identity column); keys that no longer vary are then no arm keys.
 
-Then the outcomes of :func:`ablate.analysis.outcomes.cell_outcomes`, recomputed from the
+Then the outcomes of :func:`ablate.outcomes.cell_outcomes`, recomputed from the
 per-step records with ``outcome_settings`` (so analysis settings can change after the sweep),
 and the last finite value of every logged diagnostics key.
 
@@ -65,7 +65,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from ablate.analysis.outcomes import cell_outcomes
+from ablate.outcomes import cell_outcomes
 from ablate.arms import arm_name
 from ablate.store import CellState, StoreError, cell_directories, inspect_cell, read_identity, read_records
 

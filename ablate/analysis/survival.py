@@ -1,9 +1,9 @@
 """Time to collapse per arm: Kaplan-Meier curves and a paired permutation log-rank test.
 
-**Collapse** is the event of the ``collapsed`` outcome (:mod:`ablate.analysis.outcomes`): the
+**Collapse** is the event of the ``collapsed`` outcome (:mod:`ablate.outcomes`): the
 smoothed reward stays below the collapse threshold for ``collapse_patience`` consecutive steps
 after its best value. The **time** of a collapse is the step at which that run of low values
-starts (:func:`~ablate.analysis.outcomes.collapse_onset`); a run that never collapses is
+starts (:func:`~ablate.outcomes.collapse_onset`); a run that never collapses is
 censored at its last step. Steps are those of the records (after a task shift, only the steps
 after it count, as for ``collapsed``).
 
@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from ablate.analysis.outcomes import REWARD_KEY, SHIFT_KEY, collapse_onset
+from ablate.outcomes import REWARD_KEY, SHIFT_KEY, collapse_onset
 
 EXACT_MAX_N = 12
 

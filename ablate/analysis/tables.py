@@ -36,7 +36,7 @@ import pandas as pd
 
 from ablate.analysis.families import assign_families, families_legend
 from ablate.analysis.matched import matched_pairs, seed_curves
-from ablate.analysis.outcomes import HIGHER_IS_BETTER
+from ablate.outcomes import HIGHER_IS_BETTER
 from ablate.analysis.paired import paired_effect
 from ablate.analysis.settings import AnalysisSettings
 from ablate.analysis.signflip import t_interval

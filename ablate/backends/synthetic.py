@@ -48,11 +48,11 @@ from torch import Tensor, nn
 from ablate.backends import RunContext
 from ablate.backends.synthetic_config import BACKEND, SyntheticConfig
 from ablate.budget import check_budget
-from ablate.cell import Cell, policy_for
+from ablate.cell import Cell
 from ablate.config import choice_value
 from ablate.diagnostics import mismatch_metrics, replay_metrics, route_diagnostics
 from ablate.fisher import FisherTracker, GradientCapture, expert_output_sq_grads, linear_param_sq_grads, router_logit_sq_grads
-from ablate.policies import PolicySpec, ReplayPolicy
+from ablate.policies import PolicySpec, ReplayPolicy, replay_mask
 from ablate.probes import Probe, is_probed, probe_generator, probe_record
 from ablate.routes import Routes, native_margin
 
@@ -425,7 +425,7 @@ def score_probes(
             native = model(batch.inputs)[2]
         routes = Routes(rollout=batch.rollout_routes, valid=batch.valid, num_experts=num_experts,
                         offsets=batch.offsets, native=native if policy.needs_native_routes else None)
-        mask = policy.select(routes, probe.budget, generator=probe_generator(seed, step, probe.id))
+        mask = replay_mask(policy, routes, probe.budget, generator=probe_generator(seed, step, probe.id))
         logits, _, native_in_probe = model(batch.inputs, replay=Replay(batch.rollout_routes, mask))
         logp = token_log_probs(logits, batch.targets)[:, batch.response]
         metrics = mismatch_metrics(logp, batch.rollout_log_probs, every_token, extreme_threshold=extreme_threshold)
@@ -442,7 +442,7 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
     """
     cfg = BACKEND.config_of(cell)
     cfg.check()
-    policy, fisher = policy_for(cell, cfg.layers, cfg.experts)
+    policy, fisher = cell.policy_spec().build(cfg.layers, cfg.experts)
     budget = check_budget(cell.budget, policy.name, fixed=policy.fixed_budget)
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cell.seed)  # model initialisation: the same for every policy of a seed
@@ -489,7 +489,7 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
                             native=None if native_pass is None else native_pass[2],
                             native_margin=torch.stack(margins, 1) if margins else None)
             estimate_used = fisher.scores() if fisher.has_estimate else None
-            mask = policy.select(routes, budget, generator=streams["selection"])
+            mask = replay_mask(policy, routes, budget, generator=streams["selection"])
             replayed_logits, _, native_in_replay = model(inputs, replay=Replay(flat_rollout, mask))
             logp_replayed = token_log_probs(replayed_logits, targets)[:, response]
             logp_old = logp_replayed

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from ablate.policies.builtin import route_scores
+from ablate.fisher import route_scores
 from ablate.routes import Routes, token_chunks
 
 NAN = float("nan")

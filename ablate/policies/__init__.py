@@ -2,6 +2,7 @@
 
 from ablate.policies.base import (
     ENTRY_POINT_GROUP,
+    BudgetViolation,
     PolicyError,
     ReplayPolicy,
     available_policies,
@@ -12,8 +13,8 @@ from ablate.policies.base import (
     policy_class,
     register_policy,
     register_policy_options,
+    replay_mask,
 )
-from ablate.policies.selection import Draws
 from ablate.policies.builtin import (
     FisherReplay,
     FullReplay,
@@ -21,12 +22,13 @@ from ablate.policies.builtin import (
     NoReplay,
     RandomReplay,
     UniformReplay,
-    route_scores,
 )
+from ablate.policies.selection import Draws
 from ablate.policies.spec import PolicySpec
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "BudgetViolation",
     "Draws",
     "FisherReplay",
     "FullReplay",
@@ -45,5 +47,5 @@ __all__ = [
     "policy_class",
     "register_policy",
     "register_policy_options",
-    "route_scores",
+    "replay_mask",
 ]

@@ -13,7 +13,15 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from torch import Tensor
 
-from ablate.budget import Quotas, check_budget, global_quotas, per_sequence_quotas
+from ablate.budget import (
+    Quotas,
+    check_budget,
+    count_for,
+    global_quotas,
+    layer_quotas,
+    per_sequence_quotas,
+    sequence_counts,
+)
 from ablate.config import PolicyConfig
 from ablate.policies.selection import Draws, segmented_top_n, top_n
 from ablate.routes import Routes
@@ -145,6 +153,11 @@ class ReplayPolicy(ABC):
     def choose(self, routes: Routes, rows: Tensor, quotas: Quotas, draws: Draws) -> Tensor:
         """``[valid tokens, layers]`` bool with exactly ``quotas.counts`` True per group, from :meth:`route_keys`."""
         keys = self.route_keys(routes, rows, draws)
+        expected = (rows.numel(), routes.num_layers)
+        if keys is not None and (not isinstance(keys, Tensor) or tuple(keys.shape) != expected):
+            got = f"shape {tuple(keys.shape)}" if isinstance(keys, Tensor) else f"a {type(keys).__name__}"
+            raise PolicyError(f"policy={self.name} ({type(self).__qualname__}.route_keys) returned {got}: expected a "
+                              f"float tensor [valid tokens, layers]={list(expected)} or None")
         if quotas.per_sequence:
             return segmented_top_n(keys, quotas, draws)
         if keys is None:
@@ -168,6 +181,58 @@ class ReplayPolicy(ABC):
     def __repr__(self) -> str:
         settings = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if k != "info")
         return f"{type(self).__name__}({settings})"
+
+
+class BudgetViolation(PolicyError):
+    """A replay mask that does not hold exactly the budget's count of valid routes."""
+
+
+def replay_mask(policy: ReplayPolicy, routes: Routes, budget: float | None = None, *, generator: Generators = None,
+                per_sequence: bool = False) -> Tensor:
+    """``policy.select(...)``, checked: the mask every backend replays (and every probe scores).
+
+    Budget matching is what lets an ablation credit a difference to the selection, and a policy
+    of any origin can override :meth:`ReplayPolicy.select` or :meth:`~ReplayPolicy.choose`: the
+    mask is checked here, outside the policy, against the shared count (:mod:`ablate.budget`):
+    a ``[tokens, layers]`` bool tensor, never True on an invalid token, with exactly the budget's
+    routes (in each sequence with ``per_sequence``; in each layer with ``per_layer`` over the
+    batch). Anything else raises :class:`BudgetViolation` naming the policy, the budget and the count.
+    """
+    budget = check_budget(budget, policy.name, fixed=policy.fixed_budget)
+    mask = policy.select(routes, budget, generator=generator, per_sequence=per_sequence)
+    where = f"policy={policy.name} ({type(policy).__qualname__}) at budget={budget:g}"
+    shape = (routes.num_tokens, routes.num_layers)
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != shape:
+        got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, Tensor) else type(mask).__name__
+        raise BudgetViolation(f"{where} returned a mask of {got}: expected torch.bool [tokens, layers]={list(shape)}")
+    if not bool(routes.valid.all()) and bool((mask & ~routes.valid[:, None]).any()):
+        raise BudgetViolation(f"{where} replayed routes of invalid (padding) tokens: expected valid routes only")
+    if per_sequence:
+        assert routes.offsets is not None  # select() refused per_sequence without offsets
+        before = torch.cat([mask.new_zeros(1, dtype=torch.long), mask.sum(1).cumsum(0)])  # routes before each token
+        offsets = routes.offsets.to(mask.device)
+        realized = before[offsets[1:]] - before[offsets[:-1]]
+        valid_tokens = routes.valid_offsets.diff()
+        expected = sequence_counts(budget, valid_tokens, routes.num_layers).to(mask.device)
+        if not torch.equal(realized, expected):
+            seq = int((realized != expected).nonzero()[0])
+            raise BudgetViolation(f"{where} replayed {int(realized[seq])} routes in sequence {seq}: expected exactly "
+                                  f"{int(expected[seq])}, floor(b * N_s + 0.5) of its "
+                                  f"{int(valid_tokens[seq]) * routes.num_layers} valid routes (ablate counts the budget; "
+                                  "a policy only ranks routes)")
+        return mask
+    realized, expected = int(mask.sum()), count_for(budget, routes.num_valid_routes)
+    if realized != expected:
+        raise BudgetViolation(f"{where} replayed {realized} of {routes.num_valid_routes} valid routes: expected exactly "
+                              f"{expected}, floor(b * N + 0.5) (ablate counts the budget; a policy only ranks routes)")
+    if getattr(policy, "per_layer", False):
+        quotas = layer_quotas(expected, routes.num_layers, routes.num_valid_tokens, device=mask.device)
+        per_layer = mask.sum(0)
+        if not torch.equal(per_layer, quotas):
+            layer = int((per_layer != quotas).nonzero()[0])
+            raise BudgetViolation(f"{where} with per_layer=true replayed {int(per_layer[layer])} routes in layer {layer}: "
+                                  f"expected exactly its quota {int(quotas[layer])}")
+    return mask
 
 
 _REGISTRY: dict[str, type[ReplayPolicy]] = {}
@@ -230,20 +295,24 @@ def load_plugins(modules: Iterable[str] = ()) -> None:
     """
     global _entry_points_loaded
     if not _entry_points_loaded:
-        _entry_points_loaded = True
         for point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
             try:
                 loaded = point.load()
-            except Exception as error:
+            except Exception as error:  # every later call says it again: a broken install stays visible
                 raise PolicyError(f"entry point {point.name} = {point.value!r} (group {ENTRY_POINT_GROUP}) "
                                   f"cannot be loaded: {type(error).__name__}: {error}") from None
             _register(point.name, loaded, f"entry point {point.name} = {point.value!r}")
+        _entry_points_loaded = True
     for module in modules:
         try:
             importlib.import_module(module)
         except ImportError as error:
             raise PolicyError(f"plugins=[{module}]: the module cannot be imported ({error}): expected an importable "
                               "module that registers policies with @register_policy") from None
+        except Exception as error:  # its own code failed: a SyntaxError, an error raised at import
+            where = f" ({error.filename}, line {error.lineno})" if isinstance(error, SyntaxError) else ""
+            raise PolicyError(f"plugins=[{module}]: importing the module raised {type(error).__name__}: "
+                              f"{' '.join(str(getattr(error, 'msg', error)).split())}{where}") from None
 
 
 def available_policies() -> list[str]:

@@ -5,14 +5,14 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ablate.budget import Quotas
 from ablate.config import TEMPERATURE, BudgetedPolicyConfig, FisherPolicyConfig, is_temperature
+from ablate.fisher import route_scores
 from ablate.policies.base import PolicyError, ReplayPolicy, register_policy
 from ablate.policies.selection import Draws
-from ablate.routes import Routes, token_chunks
+from ablate.routes import Routes
 
 
 @register_policy("none")
@@ -245,34 +245,6 @@ def _checked_scores(scores: object) -> Tensor:
             "scores (expected squared gradients)"
         )
     return scores
-
-
-def route_scores(estimate: Tensor, routes: Routes) -> Tensor:
-    """``[tokens, layers]`` Fisher score of each rollout route: ``sum_{e in route} F[l, e]``."""
-    expected = (routes.num_layers, routes.num_experts)
-    if tuple(estimate.shape) != expected:
-        raise PolicyError(f"Fisher estimate has shape {tuple(estimate.shape)}: expected [layers, experts]={expected}")
-    table = estimate.to(device=routes.device, dtype=torch.float32).reshape(-1, 1)
-    # One bag of k (layer, expert) rows per route: embedding_bag sums the k scores in one fused
-    # gather, over chunks of tokens, instead of k full-size int64 index tensors and gathers.
-    layer_base = (torch.arange(routes.num_layers, device=routes.device, dtype=torch.int32) * routes.num_experts)[:, None]
-    # Invalid tokens score 0, and padding may hold any id. When most tokens are valid, scoring
-    # every token over contiguous slices (padding ids clamped into range, their scores zeroed
-    # after) is cheaper than gathering the valid rows out and scattering their scores back.
-    valid_count = routes.num_valid_tokens
-    every_row = 2 * valid_count >= routes.num_tokens
-    padded = every_row and valid_count < routes.num_tokens  # rows of padding are scored, then zeroed
-    score = torch.zeros(routes.num_tokens, routes.num_layers, device=routes.device)
-    chunks = token_chunks(routes.num_tokens if every_row else routes.valid, routes.num_layers * routes.topk)
-    for rows in chunks:
-        ids = routes.rollout[rows].to(torch.int32, copy=True)  # written in place below
-        if padded:
-            ids.clamp_(0, routes.num_experts - 1)
-        bags = ids.add_(layer_base).reshape(-1, routes.topk)
-        score[rows] = F.embedding_bag(bags, table, mode="sum").reshape(-1, routes.num_layers)
-    if padded:
-        score.masked_fill_(~routes.valid[:, None], 0.0)
-    return score
 
 
 @register_policy("mismatch")

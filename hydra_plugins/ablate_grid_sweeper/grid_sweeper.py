@@ -132,7 +132,7 @@ class AblateGridSweeper(BasicSweeper):
             exit_with_interpolation_problem(error, self.config)
 
     def _sweep(self, arguments: list[str]) -> Any:
-        from ablate.cell import ConfigError
+        from ablate.config import ConfigError
         from ablate.interrupts import as_interrupted, signals_interrupt
         from ablate.launchers import default_batch_size, launch, settle, stop_file
         from ablate.overrides import quoted_override

@@ -148,7 +148,7 @@ class OptunaStudySweep:
         :class:`ConfigError` for a job whose config is invalid (never launched), or None for a trial
         to leave RUNNING (interrupted: the next run relaunches it).
         """
-        from ablate.cell import ConfigError
+        from ablate.config import ConfigError
         from ablate.launchers import launch, settle
         from ablate.sweep import plan_grid
 

@@ -9,7 +9,7 @@ pytest.importorskip("verl.protocol", reason="verl 0.9.1 is not installed here: b
 from hydra import compose, initialize_config_module  # noqa: E402
 
 from ablate.backends.verl.backend import VERL_KEYS, build_command, split_metrics  # noqa: E402
-from ablate.cell import cell_from_config  # noqa: E402
+from ablate.compose import cell_from_config  # noqa: E402
 from ablate.runner import run_cell  # noqa: E402
 from ablate.backends.verl.launch import VerlLaunchError  # noqa: E402
 

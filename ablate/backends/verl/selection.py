@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ablate.policies import ReplayPolicy
+from ablate.policies import ReplayPolicy, replay_mask
 from ablate.routes import Routes
 
 
@@ -151,7 +151,7 @@ def select_micro_batch(
     if bool(selectable.any()):
         batch = Routes(rollout=routes, valid=selectable, num_experts=num_experts, native=native, offsets=offsets,
                        ids_checked=True, native_margin=native_margin)
-        mask = policy.select(batch, budget, generator=sequence_generators(seed, keys), per_sequence=True)
+        mask = replay_mask(policy, batch, budget, generator=sequence_generators(seed, keys), per_sequence=True)
         fallback = bool(policy.info.get("fisher_fallback", 0.0))
     return MicroBatchSelection(
         routes=routes, offsets=offsets, keys=keys, valid=valid, mask=mask, unrecorded=int((~recorded).sum()),

@@ -1,0 +1,107 @@
+"""Where a cell stands in the run store, read from its files alone: the one vocabulary of states
+that planning, progress, the final tally and the analysis all use."""
+
+from __future__ import annotations
+
+import errno
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from ablate.store.claims import claim_holder, describe_holder
+from ablate.store.files import StoreError, read_json
+from ablate.store.layout import (
+    CLAIM_FILE,
+    CONFIG_FILE,
+    RECORDS_FILE,
+    STATUS_FILE,
+    SUMMARY_FILE,
+    check_parquet,
+    read_identity,
+)
+
+
+class CellState(str, Enum):
+    """Where a cell stands in the run store: the one vocabulary of the store's readers.
+
+    ``status.json`` records ``running``, ``complete``, ``failed`` or ``interrupted``; the other
+    states are derived: ``new`` (never started), ``unfinished`` (recorded as running, but no
+    live worker holds it: killed or crashed) and ``corrupt`` (a file that must be readable is
+    not: ``status.json``, or a complete cell's ``cell.json``, summary or Parquet records).
+    """
+
+    NEW = "new"
+    RUNNING = "running"
+    UNFINISHED = "unfinished"
+    COMPLETE = "complete"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+    CORRUPT = "corrupt"
+
+    @property
+    def rerun(self) -> bool:
+        """Whether a sweep (re)launches a cell in this state: all but complete and running ones."""
+        return self not in (CellState.COMPLETE, CellState.RUNNING)
+
+
+@dataclass(frozen=True)
+class CellView:
+    """What the store says about one cell directory, read once."""
+
+    directory: Path
+    state: CellState
+    #: The attempt recorded in ``status.json`` (0: never started or unreadable).
+    attempt: int
+    #: The recorded error of a failed or interrupted cell, why a cell is corrupt, or who runs it.
+    detail: str | None = None
+
+
+def inspect_cell(directory: Path, cell_id: str | None = None) -> CellView:
+    """Classify one cell directory; never raises for damage, which is the ``corrupt`` state.
+
+    ``cell_id``, when given, must match the identity in ``cell.json`` for the cell to count as
+    complete: a directory of another config under the same name is not this cell's result. A
+    complete cell counts only when its identity (every field of :class:`CellIdentity`, and the
+    directory it names), config, summary and Parquet records read back (the Parquet footer is
+    checked, not every row), so a damaged cell is rerun instead of skipped, and read by no analysis.
+    """
+    if directory.exists() and not directory.is_dir():
+        return CellView(directory, CellState.CORRUPT, 0,
+                        f"{directory}: a file where the cell's directory should be; move it away, then run again")
+    if (directory / CLAIM_FILE).is_dir():
+        return CellView(directory, CellState.CORRUPT, 0,
+                        f"{directory / CLAIM_FILE}: a directory where the cell's claim file should be; remove it, "
+                        "then run again")
+    try:
+        status = read_json(directory / STATUS_FILE)
+    except FileNotFoundError:
+        return CellView(directory, CellState.NEW, 0)
+    except StoreError as error:
+        return CellView(directory, CellState.CORRUPT, 0, str(error))
+    attempt = status.get("attempt")
+    attempt = attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else 0
+    recorded = status.get("status")
+    if recorded == CellState.RUNNING.value:
+        holder = claim_holder(directory / CLAIM_FILE)
+        if holder is None:
+            return CellView(directory, CellState.UNFINISHED, attempt, "no live worker holds it (killed or crashed)")
+        return CellView(directory, CellState.RUNNING, attempt, describe_holder(holder))
+    if recorded in (CellState.FAILED.value, CellState.INTERRUPTED.value):
+        return CellView(directory, CellState(recorded), attempt, status.get("error"))
+    if recorded != CellState.COMPLETE.value:
+        return CellView(directory, CellState.CORRUPT, attempt,
+                        f"{directory / STATUS_FILE}: unknown status {recorded!r}; expected running, complete, "
+                        "failed or interrupted")
+    try:
+        identity = read_identity(directory)
+        read_json(directory / SUMMARY_FILE)
+        check_parquet(directory / RECORDS_FILE)
+        if not (directory / CONFIG_FILE).is_file():
+            raise FileNotFoundError(errno.ENOENT, "missing", str(directory / CONFIG_FILE))
+    except FileNotFoundError as error:
+        return CellView(directory, CellState.CORRUPT, attempt, f"{error.filename}: missing, but the cell is complete")
+    except StoreError as error:
+        return CellView(directory, CellState.CORRUPT, attempt, str(error))
+    if cell_id is not None and identity.cell_id != cell_id:
+        return CellView(directory, CellState.NEW, attempt, f"holds another cell ({identity.cell_id})")
+    return CellView(directory, CellState.COMPLETE, attempt)
