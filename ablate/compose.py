@@ -21,6 +21,7 @@ from dataclasses import fields, is_dataclass
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigTypeError
 
 from ablate.backends import backend_names, get_backend
 from ablate.budget import check_budget
@@ -118,15 +119,17 @@ def unknown_key(cfg: DictConfig, prefix: str = "") -> str | None:
     """
     schema = OmegaConf.get_type(cfg)
     known = [f.name for f in fields(schema)] if schema is not None and is_dataclass(schema) else None
-    for key in cfg.keys():
+    for key, value in cfg.items_ex(resolve=False):
         key = str(key)
-        value = cfg.get(key)  # a section typed Optional and left null is None here
         if known is not None and key not in known and not (key == "hydra" and not prefix):
             close = difflib.get_close_matches(key, known, n=1)
             expected = f"did you mean {prefix}{close[0]}?" if close else f"one of {', '.join(sorted(known))}"
             return f"{prefix}{key}={value}: {_section_name(cfg, prefix)} has no setting {key!r}; {expected}"
         if isinstance(value, DictConfig):
-            found = unknown_key(value, f"{prefix}{key}.")
+            try:
+                found = unknown_key(value, f"{prefix}{key}.")
+            except ConfigTypeError:  # a typed section left null (backend.cpu on backend=verl): no keys
+                continue
             if found is not None:
                 return found
     return None

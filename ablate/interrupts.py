@@ -1,8 +1,9 @@
-"""Ctrl-C and SIGTERM as one exception, so a cell can record itself as interrupted.
+"""Ctrl-C, SIGTERM and SIGHUP as one exception, so a cell can record itself as interrupted.
 
-SIGTERM is what SLURM, ``timeout`` and process managers send; by default it kills Python without
-running any ``finally``, which would leave a cell recorded as running. While
-:func:`signals_interrupt` is active, both SIGINT and SIGTERM raise :class:`Interrupted`, a
+SIGTERM is what SLURM, ``timeout`` and process managers send, SIGHUP what a closed terminal or a
+dropped ssh session sends; by default each kills Python without running any ``finally``, which
+would leave a cell recorded as running. While :func:`signals_interrupt` is active, SIGINT,
+SIGTERM and SIGHUP raise :class:`Interrupted`, a
 ``KeyboardInterrupt`` (so code that already handles Ctrl-C handles SIGTERM the same way, and
 Hydra's launchers let it through instead of recording one failed job and moving on). A second
 signal while the first is being handled is ignored, so the cleanup is not cut short.
@@ -21,7 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
-HANDLED = (signal.SIGINT, signal.SIGTERM)
+HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: The file whose existence tells a sweep's worker processes that the sweep is stopping.
 STOP_FILE_ENV = "ABLATE_SWEEP_STOP_FILE"
 
@@ -65,7 +66,7 @@ def _raise(signum: int, frame: FrameType | None) -> None:
 
 @contextmanager
 def signals_interrupt() -> Iterator[None]:
-    """Within the block, SIGINT and SIGTERM raise :class:`Interrupted`; the old handlers come back after.
+    """Within the block, SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted`; the old handlers come back after.
 
     Only the main thread can install handlers: elsewhere (a thread pool of a launcher) this does
     nothing, and the process's own handling applies.

@@ -19,6 +19,7 @@ as complete only if its complete result is in the store.
 
 from __future__ import annotations
 
+import errno
 import sys
 import threading
 import time
@@ -279,6 +280,12 @@ TALLY_WORDS = {CellState.COMPLETE: "complete", CellState.FAILED: "failed", CellS
                CellState.RUNNING: "still running", CellState.NEW: "not run"}
 
 
+#: The errors of a full disk, as a cell's recorded error names them (``OSError: [Errno 28] ...``).
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+#: Cells named one per line under the tally; the dry run lists them all.
+MOST_PROBLEMS = 20
+
+
 @dataclass(frozen=True)
 class Tally:
     """The final count of a sweep (by :func:`outcome` state, plus ``skipped``), and one line per
@@ -287,6 +294,8 @@ class Tally:
     counts: Counter[CellState]
     skipped: int
     problems: list[str]
+    #: Cells that failed because their disk was full (their recorded error is ENOSPC or EDQUOT).
+    disk_full: int = 0
 
     @property
     def ok(self) -> bool:
@@ -298,15 +307,25 @@ class Tally:
         return (f"sweep {sweep}: {', '.join(parts)}, {self.skipped} skipped in {format_duration(elapsed)} "
                 f"(results under {where or '-'})")
 
+    def report(self, sweep: str, elapsed: float, where: Path | None, most: int = MOST_PROBLEMS) -> list[str]:
+        """The tally line, then one line per cell that did not complete (the first ``most`` of them)."""
+        shown = [f"  {problem}" for problem in self.problems[:most]]
+        if len(self.problems) > most:
+            shown.append(f"  ... and {len(self.problems) - most} more (hydra.sweeper.dry_run=true lists every cell "
+                         "with its state)")
+        return [self.line(sweep, elapsed, where), *shown]
+
 
 def tally(planned: Sequence[PlannedCell]) -> Tally:
     """Count every cell by its state in the store; a cell that did not run never counts as done."""
     counts: Counter[CellState] = Counter()
     problems = []
+    disk_full = 0
     for cell in tracked(planned):
         ended, view = outcome(cell)
         counts[ended] += 1
         name, where = cell.cell.name, cell.directory
+        disk_full += ended is CellState.FAILED and any(f"[Errno {code}]" in (view.detail or "") for code in DISK_FULL)
         if ended is CellState.INTERRUPTED:
             problems.append(f"interrupted: {name}: {view.detail or 'interrupted'} ({where}); a rerun of the sweep "
                             "runs it again")
@@ -318,4 +337,4 @@ def tally(planned: Sequence[PlannedCell]) -> Tally:
         elif ended is not CellState.COMPLETE:
             problems.append(f"not run: {name}: {view.detail or 'the launcher did not run it'} ({where}); a rerun "
                             "of the sweep runs it")
-    return Tally(counts, len(planned) - len(tracked(planned)), problems)
+    return Tally(counts, len(planned) - len(tracked(planned)), problems, disk_full)

@@ -61,7 +61,7 @@ def only_cell(store: Path, sweep: str = "adhoc") -> Path:
 SLOW_CELL = ["backend=noop", "backend.steps=60", "backend.step_seconds=0.03", "policy=random", "budget=0.5"]
 
 
-@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGHUP, 129)])
 def test_a_signal_during_a_cell_records_it_interrupted_and_the_rerun_replaces_it(tmp_path, signum, status):
     store = tmp_path / "runs"
     process = start(store, *SLOW_CELL, "tracking.mode=offline")
@@ -171,6 +171,38 @@ def test_a_full_disk_mid_cell_is_recorded_failed_and_rerun_once_there_is_room(tm
 
 
 # --- slow: whole sweeps ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_mid_sweep_ends_with_the_tally_and_one_line_and_the_rerun_finishes(tmp_path):
+    """Issue 28, defect 3: a 1 MiB tmpfs with 750 KB taken holds a few cells of this sweep, not eight."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        (mount / "filler").write_bytes(b"\0" * 750_000)
+        store = mount / "runs"
+        grid = ["-m", "backend=noop", "backend.steps=40", "policy=random", "budget=0.1,0.3,0.5,0.7", "seed=0,1",
+                "sweep=full", "tracking.mode=offline"]
+        full = run(store, *grid)
+        assert full.returncode == 1, full.stdout + full.stderr
+        assert "Traceback" not in full.stdout + full.stderr and "Logging error" not in full.stdout + full.stderr
+        tally = [line for line in full.stdout.splitlines() if line.startswith("sweep full: ") and " skipped in " in line]
+        assert len(tally) == 1 and "0 skipped" in tally[0]
+        last = full.stderr.strip().splitlines()[-1]
+        assert last.startswith("ablate: sweep full stopped: the disk is full (") and "run the same command again" in last
+        states = {cell.name: inspect_cell(cell).state for cell in cell_dirs(store / "full")}
+        assert CellState.RUNNING not in states.values() and CellState.UNFINISHED not in states.values()
+        done = sum(state is CellState.COMPLETE for state in states.values())
+        assert 0 < done < 8
+
+        (mount / "filler").unlink()
+        rerun = run(store, *grid)
+        assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+        assert f"{8 - done} complete, 0 failed, {done} skipped" in rerun.stdout
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 GRID = ["-m", "backend=noop", "backend.steps=12", "backend.step_seconds=0.04", "policy=random,uniform",
         "budget=0.1,0.3,0.5", "seed=0", "sweep=faults", "tracking.mode=offline", "hydra.sweeper.progress_interval=0.2"]

@@ -2,7 +2,8 @@
 
 Each test runs the CLI as a user types it (``python -m ablate -m ...``) on four short noop cells,
 then sends SIGINT to the whole process group (what Ctrl-C in a terminal does), sends SIGTERM to
-the sweep (what SLURM and ``timeout`` send), or SIGKILLs the process running one cell (what the
+the sweep (what SLURM and ``timeout`` send) or SIGHUP (what a closed terminal or a dropped ssh
+session sends; to the sweep's process alone, the case where its workers hear nothing), or SIGKILLs the process running one cell (what the
 OOM killer does). It checks the store's records, the tally, the exit status, and that no process
 the sweep started outlives it.
 """
@@ -166,7 +167,7 @@ def tally_line(out: str) -> str:
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS, indirect=True)
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_a_signal_ends_running_cells_interrupted_prints_the_tally_and_leaves_no_process(tmp_path, launcher, signum):
     kind, overrides, env = launcher
     sweep = Sweep(tmp_path, overrides, env)

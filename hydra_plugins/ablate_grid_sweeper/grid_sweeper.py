@@ -136,7 +136,7 @@ class AblateGridSweeper(BasicSweeper):
         from ablate.interrupts import as_interrupted, signals_interrupt
         from ablate.launchers import default_batch_size, launch, settle, stop_file
         from ablate.overrides import quoted_override
-        from ablate.store import store_root
+        from ablate.store import is_disk_full, store_root
         from ablate.sweep import ProgressReporter, describe_plan, make_sweep_directory, plan_grid, tally, wait_for_others
 
         assert self.config is not None and self.launcher is not None and self.hydra_context is not None
@@ -171,7 +171,7 @@ class AblateGridSweeper(BasicSweeper):
         to_launch = [cell for cell in planned if cell.to_launch]
         batch_size = self.max_batch_size or default_batch_size(self.launcher, len(to_launch))
         returns = []
-        stopped = None
+        stopped = full = None
         reporter = ProgressReporter(sweep_name, planned, interval=self.progress_interval)
         with reporter, stop_file(sweep_dir):
             try:
@@ -181,16 +181,24 @@ class AblateGridSweeper(BasicSweeper):
                     wait_for_others(planned, self.progress_interval)
             except KeyboardInterrupt as error:
                 stopped = as_interrupted(error)
+            except OSError as error:
+                if not is_disk_full(error):
+                    raise
+                full = error  # the launcher could not even write a job's files: no cell after it can run
             settle(to_launch)  # a launcher may return while its workers still record their cells
         result = tally(planned)
-        print(result.line(sweep_name, reporter.elapsed, planned[0].directory.parent if planned else None), flush=True)
-        for problem in result.problems:
-            print(f"  {problem}", flush=True)
+        where = planned[0].directory.parent if planned else None
+        print("\n".join(result.report(sweep_name, reporter.elapsed, where)), flush=True)
         # SystemExit rather than an exception: the tally above is the report, not a traceback.
         if stopped is not None:
             print(f"ablate: sweep {sweep_name} interrupted by {stopped.signal_name}; run the same command again "
                   "to resume it (complete cells are skipped)", file=sys.stderr, flush=True)
             raise SystemExit(stopped.exit_status)
+        if full is not None or result.disk_full:
+            what = f"{full.strerror}: {full.filename or sweep_dir}" if full else f"{result.disk_full} cells failed on it"
+            print(f"ablate: sweep {sweep_name} stopped: the disk is full ({what}); free some space and run the same "
+                  "command again to resume it (complete cells are skipped)", file=sys.stderr, flush=True)
+            raise SystemExit(1)
         if not result.ok:
             print(f"{len(result.problems)} of {len(planned)} cells did not complete; the other cells ran to the end",
                   file=sys.stderr, flush=True)
