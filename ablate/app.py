@@ -51,8 +51,19 @@ def main() -> float | list[float] | None:
     if problem is not None:
         print(f"ablate: {problem}", file=sys.stderr, flush=True)
         raise SystemExit(2)
+    load_installed_plugins()
     load_command_plugins(plugins_from_arguments(arguments))
     return app()
+
+
+def load_installed_plugins() -> None:
+    """Register the app's configs, with every installed backend and policy (``ablate.conf``): a
+    broken install ends the command in one line (exit 2), not in Hydra's "config module not found"."""
+    try:
+        import ablate.conf  # noqa: F401  (registers the schemas and the installed plugins' options)
+    except ValueError as error:  # ConfigError, PolicyError: both name the entry point (PolicyError's module needs torch)
+        print(f"ablate: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def load_command_plugins(modules: Sequence[str]) -> None:

@@ -29,10 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig
 
 from ablate.cell import Cell
 from ablate.compose import ConfigError, cell_from_config
+from ablate.overrides import quoted_override
 from ablate.policies import fixed_budget_of, load_plugins
 from ablate.store import CellState, CellView, StoreError, inspect_cell, make_directory
 
@@ -71,8 +73,8 @@ def plan_grid(jobs: Sequence[Sequence[str]], compose: Callable[[list[str]], Dict
     """
     planned: list[PlannedCell] = []
     seen: set[str] = set()
-    for job in jobs:
-        overrides = list(job)
+    for job, label in zip(jobs, arm_labels(jobs)):
+        overrides = list(job) + ([quoted_override("tracking.label", label)] if label else [])
         try:
             cfg = compose(overrides)
             load_plugins(str(module) for module in cfg.get("plugins") or ())
@@ -88,6 +90,43 @@ def plan_grid(jobs: Sequence[Sequence[str]], compose: Callable[[list[str]], Dict
         seen.add(cell.cell_id)
         planned.append(PlannedCell(overrides, cell, cell.directory, inspect_cell(cell.directory, cell.cell_id)))
     return planned
+
+
+#: Override keys a cell's name already carries (with its variant: the policy's own settings), or
+#: that never set an arm apart.
+NAMED_KEYS = ("policy", "budget", "seed", "trial", "store_dir", "sweep", "tracking")
+
+
+def arm_labels(jobs: Sequence[Sequence[str]]) -> list[str]:
+    """Per job, the overrides that vary across the grid and its cell's name does not show
+    (``backend.router_noise=0.2``): two arms' W&B runs must not share a display name."""
+    present: dict[str, set[str]] = {}
+    jobs_with: Counter[str] = Counter()
+    for job in jobs:
+        for override in job:
+            present.setdefault(override_key(override), set()).add(override.lstrip("+~"))
+        jobs_with.update({override_key(override) for override in job})
+    varied = {key for key, values in present.items()
+              if key.split(".")[0] not in NAMED_KEYS and (len(values) > 1 or jobs_with[key] < len(jobs))}
+    return [" ".join(o.lstrip("+~") for o in job if override_key(o) in varied) for job in jobs]
+
+
+def empty_sweeps(overrides: Sequence[Override]) -> list[str]:
+    """The sweep overrides that expand to no value (``seed=range(0,0)``): a grid with none has no cells."""
+    return [o.input_line or o.key_or_group for o in overrides
+            if o.is_sweep_override() and not list(o.sweep_string_iterator())]
+
+
+def repeated_values(overrides: Sequence[Override]) -> list[str]:
+    """``seed=0,0: 0 twice`` for each sweep override that lists a value more than once (one cell runs)."""
+    notes = []
+    for override in overrides:
+        if override.is_sweep_override():
+            values = Counter(override.sweep_string_iterator())
+            twice = [f"{value} {count} times" for value, count in values.items() if count > 1]
+            if twice:
+                notes.append(f"{override.input_line or override.key_or_group} lists {', '.join(twice)}")
+    return notes
 
 
 def make_sweep_directory(config: DictConfig) -> Path:
@@ -262,8 +301,11 @@ class ProgressReporter:
         counts = Counter(states.values())
         self.pace.update(states, time.monotonic())
         if self._bar is not None:
-            self._bar.n = finished(counts)
-            self._bar.set_postfix_str(f"{counts[CellState.RUNNING]} running, {counts[CellState.FAILED]} failed",
+            # Done means ended for good: an interrupted cell runs again, so a stopped sweep's bar
+            # stays where its complete and failed cells put it.
+            self._bar.n = counts[CellState.COMPLETE] + counts[CellState.FAILED]
+            stopped = f", {counts[CellState.INTERRUPTED]} interrupted" if counts[CellState.INTERRUPTED] else ""
+            self._bar.set_postfix_str(f"{counts[CellState.RUNNING]} running, {counts[CellState.FAILED]} failed{stopped}",
                                       refresh=False)
             self._bar.refresh()
             return

@@ -136,6 +136,31 @@ def test_every_bad_setting_fails_the_grid_before_anything_is_written(tmp_path):
         assert not store.exists() and not (tmp_path / "escape").exists()
 
 
+def test_an_empty_grid_is_one_line_and_repeated_values_are_said(tmp_path):
+    store = tmp_path / "runs"
+    grid = ["-m", "backend=noop", "backend.steps=2", "policy=random", "budget=0.1", "tracking.mode=disabled"]
+    empty = run(store, *grid, "seed=range(0,0)")
+    assert empty.returncode == 2 and "results under" not in empty.stdout
+    assert [line for line in empty.stderr.splitlines() if line.strip()] == [
+        "ablate: seed=range(0,0) gives no value: a grid with an empty sweep has no cells (expected at least one value)"]
+    assert not store.exists() or not list(store.glob("*/*/cell.json"))
+
+    repeated = run(store, *grid, "seed=0,0,1")
+    assert repeated.returncode == 0, repeated.stderr
+    assert "ablate: seed=0,0,1 lists 0 2 times: each cell runs once" in repeated.stderr
+    assert "2 complete, 0 failed" in repeated.stdout
+
+
+def test_two_arms_that_differ_in_a_backend_setting_get_two_wandb_names(tmp_path):
+    store = tmp_path / "runs"
+    done = run(store, "-m", "backend=noop", "backend.steps=2", "policy=random", "budget=0.1", "backend.reward=0.1,0.2",
+               "sweep=arms", "tracking.mode=offline")
+    assert done.returncode == 0, done.stderr
+    names = sorted(read_offline_run(found).name for cell in cell_dirs(store / "arms")
+                   for found in find_offline_runs(cell / "wandb"))
+    assert names == ["random-b0.1-s0 backend.reward=0.1", "random-b0.1-s0 backend.reward=0.2"]
+
+
 def full_disk_store(tmp_path: Path) -> Path:
     """A 96 KiB tmpfs: room for a cell's files and a few hundred steps, then ENOSPC."""
     mount = tmp_path / "disk"

@@ -207,8 +207,10 @@ def test_a_failing_trial_is_told_fail_and_the_study_goes_on(tmp_path):
     assert sorted(cells(tmp_path, "failing")) == [0, 2, 3]  # the invalid config never became a cell
 
     stopped = optuna_study(tmp_path, "strict", *space, "hydra.sweeper.max_failure_rate=0.0", check=False)
-    assert stopped.returncode != 0
+    assert stopped.returncode == 1
     assert "max_failure_rate=0.0" in stopped.stderr and "ConfigError" in stopped.stderr
+    last = stopped.stderr.strip().splitlines()[-1]  # one line says why, no chained traceback before it
+    assert last.startswith("ablate: 1 trial(s) of study 'strict' failed") and "Traceback" not in stopped.stderr
     assert [t.state for t in load_study(tmp_path, "strict").get_trials()] == [TrialState.COMPLETE, TrialState.FAIL]
 
 

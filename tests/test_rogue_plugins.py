@@ -157,3 +157,15 @@ def test_a_key_the_typed_settings_do_not_have_is_refused_with_the_closest(tmp_pa
     closest = {"backend.stepz": "backend.steps", "policy.tauu": "policy.tau"}[key]
     assert line.startswith(f"ablate: {override.lstrip('+')}: ") and f"did you mean {closest}?" in line
     assert not list((tmp_path / "runs").glob("*/*/cell.json"))
+
+
+@pytest.mark.parametrize("group", ["ablate.backends", "ablate.policies"])
+def test_a_broken_installed_entry_point_makes_help_one_line(tmp_path, code, group):
+    info = code / "broken_pkg-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-pkg\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[{group}]\nbroken = not_installed_module:THING\n")
+    done = ablate(tmp_path, "--help")
+    assert done.returncode == 2
+    line = only_line(done.stderr)
+    assert "broken" in line and "not_installed_module" in line and "cannot be loaded" in line

@@ -118,7 +118,11 @@ def get_backend(name: str) -> Backend[Any]:
         raise ConfigError(f"backend={name!r}: expected one of {', '.join(sorted(table))} (a backend of your own is "
                           f"found through an entry point in group {ENTRY_POINT_GROUP})")
     module, attribute = table[name].split(":")
-    backend = getattr(importlib.import_module(module), attribute)
+    try:
+        backend = getattr(importlib.import_module(module), attribute)
+    except Exception as error:  # a broken install: its entry point names code that does not load
+        raise ConfigError(f"backend={name!r} at {table[name]} cannot be loaded: {type(error).__name__}: {error} "
+                          f"(an entry point in group {ENTRY_POINT_GROUP}; reinstall or remove its package)") from None
     if not isinstance(backend, Backend) or backend.name != name:
         raise ConfigError(f"backend={name!r} at {table[name]} is {backend!r}: expected ablate.backends.Backend named {name!r}")
     return backend

@@ -137,7 +137,16 @@ class AblateGridSweeper(BasicSweeper):
         from ablate.launchers import default_batch_size, launch, settle, stop_file
         from ablate.overrides import quoted_override
         from ablate.store import is_disk_full, store_root
-        from ablate.sweep import ProgressReporter, describe_plan, make_sweep_directory, plan_grid, tally, wait_for_others
+        from ablate.sweep import (
+            ProgressReporter,
+            describe_plan,
+            empty_sweeps,
+            make_sweep_directory,
+            plan_grid,
+            repeated_values,
+            tally,
+            wait_for_others,
+        )
 
         assert self.config is not None and self.launcher is not None and self.hydra_context is not None
         from ablate.app import load_command_plugins
@@ -146,6 +155,13 @@ class AblateGridSweeper(BasicSweeper):
         load_command_plugins([str(module) for module in self.config.get("plugins") or ()])
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         overrides = parser.parse_overrides([*self._parse_config(), *arguments])
+        empty = empty_sweeps(overrides)
+        if empty:
+            print(f"ablate: {empty[0]} gives no value: a grid with an empty sweep has no cells (expected at least "
+                  "one value)", file=sys.stderr, flush=True)
+            raise SystemExit(2)
+        for note in repeated_values(overrides):
+            print(f"ablate: {note}: each cell runs once", file=sys.stderr, flush=True)
         jobs = [job for batch in self.split_arguments(overrides, None) for job in batch]
         # Every worker writes to the same store, wherever its working directory is (Ray, SLURM).
         # Quoted: Hydra parses it again, and a path may hold any character ("p (copy)", "é", ",").

@@ -35,7 +35,8 @@ class AblateOptunaSweeper(Sweeper):
         self.impl.setup(hydra_context=hydra_context, task_function=task_function, config=config)
 
     def sweep(self, arguments: list[str]) -> None:
-        """Run the study; Ctrl-C or SIGTERM ends it with one line and the conventional exit status.
+        """Run the study; Ctrl-C, SIGTERM or SIGHUP ends it with one line and the conventional exit
+        status, and so does a study whose trials failed past ``max_failure_rate`` (exit status 1).
 
         The trial that was running is recorded as interrupted in the run store and stays RUNNING
         in the study, so the next run of the same command relaunches it under its number.
@@ -44,6 +45,7 @@ class AblateOptunaSweeper(Sweeper):
 
         from ablate.interrupts import as_interrupted, signals_interrupt
 
+        from ._impl import StudyFailed
         from ._journal import JournalDamaged
 
         try:
@@ -52,6 +54,9 @@ class AblateOptunaSweeper(Sweeper):
         except JournalDamaged as error:
             print(f"ablate: {error}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
+        except StudyFailed as error:  # the failed trials are in the study and the run store: one line says why
+            print(f"ablate: {error}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
         except KeyboardInterrupt as error:
             stopped = as_interrupted(error)
             print(f"ablate: study interrupted by {stopped.signal_name}; run the same command again to resume it "
