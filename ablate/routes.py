@@ -348,7 +348,10 @@ def _overlap_chunk(a: Tensor, b: Tensor) -> Tensor:
 def _equal_in_order(a: Tensor, b: Tensor) -> Tensor:
     """``a.shape[:-1]`` bool: the two routes hold the same ids slot for slot."""
     route_bytes = a.shape[-1] * a.element_size()
-    aligned = all(x.is_contiguous() and x.storage_offset() * x.element_size() % 8 == 0 for x in (a, b))
+    # Viewing as int64 needs the routes' last dim dense and every other stride (size-1 dims too,
+    # which is_contiguous() overlooks) and the offset a whole number of 8-byte words.
+    aligned = all(x.stride(-1) == 1 and all(step * x.element_size() % 8 == 0 for step in x.stride()[:-1])
+                  and x.storage_offset() * x.element_size() % 8 == 0 for x in (a, b))
     if a.dtype == b.dtype and route_bytes % 8 == 0 and aligned:
         # Compare whole routes as int64 words (top-8 int16 ids are two words): a few long passes
         # instead of topk-long runs.

@@ -1,5 +1,7 @@
 """Every policy on the hand batch (tests/handbatch.py), then properties over random batches."""
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -7,7 +9,7 @@ from hypothesis import strategies as st
 from handbatch import FISHER, VALID, hand_routes, sequence_batch
 
 from ablate import BudgetError, PolicyError, ReplayPolicy, Routes, get_policy, layer_quotas, register_policy, replay_count
-from ablate.policies import available_policies
+from ablate.policies import BudgetViolation, available_policies, replay_mask
 
 
 def gen(seed: int = 0) -> torch.Generator:
@@ -218,3 +220,88 @@ def test_padding_ids_are_never_read():
     for name in BUDGETED:
         policy = make(name, padded, False) if name != "fisher" else get_policy("fisher", scores=FISHER)
         assert torch.equal(policy.select(padded, 0.5, generator=gen(0)), policy.select(routes, 0.5, generator=gen(0)))
+
+
+# ---- replay_mask: the budget checked outside the policy ---------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(routes=batches(), budget=st.floats(0.0, 1.0), seed=st.integers(0, 1000), per_layer=st.booleans())
+def test_replay_mask_accepts_every_builtin_policy_in_both_modes(routes, budget, seed, per_layer):
+    per_sequence = Routes(rollout=routes.rollout, valid=routes.valid, num_experts=routes.num_experts,
+                          native=routes.native, offsets=torch.tensor([0, routes.num_tokens // 2, routes.num_tokens]))
+    for name in BUDGETED:
+        policy = make(name, routes, per_layer)
+        assert torch.equal(replay_mask(policy, routes, budget, generator=gen(seed)),
+                           policy.select(routes, budget, generator=gen(seed)))
+        generators = [gen(seed), gen(seed + 1)]
+        replay_mask(policy, per_sequence, budget, generator=generators, per_sequence=True)
+
+
+class _Shifted(ReplayPolicy):
+    """Replays the right number of routes, but one too many in the first sequence and one too few in the last."""
+
+    name = "shifted"
+
+    def select(self, routes, budget=None, *, generator=None, per_sequence=False):
+        mask = get_policy("random").select(routes, budget, generator=generator, per_sequence=per_sequence)
+        first, last = mask[0].clone(), mask[-1].clone()
+        mask[0], mask[-1] = first | ~first & torch.arange(mask.shape[1]).eq(int((~first).nonzero()[0])), last
+        mask[-1, int(last.nonzero()[0])] = False
+        return mask
+
+    def route_keys(self, routes, rows, draws):
+        return None
+
+
+def test_replay_mask_names_a_sequence_whose_count_is_off_though_the_total_is_right():
+    routes = sequence_batch([6, 6], layers=2, experts=4, topk=2, seed=0)
+    generators = [gen(0), gen(1)]
+    with pytest.raises(BudgetViolation, match=r"policy=shifted \(_Shifted\) at budget=0.5 replayed 7 routes in "
+                                              r"sequence 0: expected exactly 6"):
+        replay_mask(_Shifted(), routes, 0.5, generator=generators, per_sequence=True)
+
+
+class _OneLayer(ReplayPolicy):
+    """Replays the budget's count of routes, all in the first layers, though it says per_layer."""
+
+    name = "one_layer"
+
+    def __init__(self) -> None:
+        super().__init__(per_layer=True)
+
+    def select(self, routes, budget=None, *, generator=None, per_sequence=False):
+        mask = torch.zeros(routes.num_tokens, routes.num_layers, dtype=torch.bool)
+        mask[:, 0] = True  # budget 0.5 of two layers: the right count, all of it in layer 0
+        return mask
+
+    def route_keys(self, routes, rows, draws):
+        return None
+
+
+def test_replay_mask_names_a_layer_whose_quota_is_off():
+    routes = Routes(rollout=torch.zeros(8, 2, 1, dtype=torch.long), valid=torch.ones(8, dtype=torch.bool),
+                    num_experts=2)
+    with pytest.raises(BudgetViolation, match=r"with per_layer=true replayed 8 routes in layer 0: expected exactly "
+                                              r"its quota 4"):
+        replay_mask(_OneLayer(), routes, 0.5)
+
+
+@pytest.mark.parametrize(("returned", "said"), [
+    (lambda routes: torch.ones(routes.num_tokens, routes.num_layers), "returned a mask of torch.float32"),
+    (lambda routes: torch.ones(routes.num_tokens, dtype=torch.bool), "expected torch.bool [tokens, layers]"),
+    (lambda routes: torch.ones(routes.num_tokens, routes.num_layers, dtype=torch.bool),
+     "replayed routes of invalid (padding) tokens"),
+])
+def test_replay_mask_refuses_a_mask_of_the_wrong_kind(returned, said):
+    class Odd(ReplayPolicy):
+        name = "odd"
+
+        def select(self, routes, budget=None, *, generator=None, per_sequence=False):
+            return returned(routes)
+
+        def route_keys(self, routes, rows, draws):
+            return None
+
+    with pytest.raises(BudgetViolation, match=re.escape(said)):
+        replay_mask(Odd(), hand_routes(), 0.5)

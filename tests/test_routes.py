@@ -101,3 +101,13 @@ def test_layer_quotas_spread_the_remainder_evenly():
     assert layer_quotas(7, 7, 1).tolist() == [1] * 7
     assert layer_quotas(1, 3, 5).tolist() == [0, 1, 0]  # floor(0.5 * 3 / 1) = 1: the middle layer
     assert int(layer_quotas(123, 48, 10).sum()) == 123
+
+
+def test_native_overlap_of_routes_sliced_from_a_wider_tensor():
+    # One token, one layer, top-4 of 5 experts: a size-1 dim passes is_contiguous() whatever its
+    # stride, and viewing the routes as int64 words must not trust it.
+    ranked = torch.tensor([[[1, 2, 3, 4, 0]]], dtype=torch.int16)
+    native = torch.tensor([[[4, 3, 2, 1, 0]]], dtype=torch.int16)
+    routes = Routes(rollout=ranked[..., :4], valid=torch.ones(1, dtype=torch.bool), num_experts=5,
+                    native=native[..., :4])
+    assert routes.native_overlap.tolist() == [[4]]
