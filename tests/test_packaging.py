@@ -18,8 +18,8 @@ def test_explicit_package_list_covers_the_source_tree():
     discovered = set(find_namespace_packages(where=str(ROOT), include=["ablate*", "hydra_plugins*"]))
     mapped = {package for package in PYPROJECT["package-dir"]}
     mapped_children = {
-        f"{package}.{child.name}" for package, folder in PYPROJECT["package-dir"].items()
-        for child in (ROOT / folder).iterdir() if child.is_dir() and any(child.glob("*.yaml"))
+        ".".join([package, *child.relative_to(ROOT / folder).parts]) for package, folder in PYPROJECT["package-dir"].items()
+        for child in (ROOT / folder).rglob("*") if child.is_dir() and any(child.glob("*.yaml"))
     }
     assert set(PYPROJECT["packages"]) == discovered | mapped | mapped_children
 

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from ablate.budget import Quotas
 from ablate.config import TEMPERATURE, BudgetedPolicyConfig, FisherPolicyConfig, is_temperature
-from ablate.fisher import route_scores
+from ablate.fisher import FisherError, route_scores
 from ablate.policies.base import PolicyError, ReplayPolicy, register_policy
 from ablate.policies.selection import Draws
 from ablate.routes import Routes
@@ -218,7 +218,10 @@ class FisherReplay(ReplayPolicy):
         self.info["fisher_fallback"] = float(estimate is None)
         if estimate is None:
             return None  # random selection
-        score = route_scores(estimate, routes)[rows]
+        try:
+            score = route_scores(estimate, routes)[rows]
+        except FisherError as error:  # an estimate of another model: the policy's input is wrong
+            raise PolicyError(f"policy={self.name}: {error}") from None
         if self.tau == 0:
             return score
         return score.clamp(min=0).log() / self.tau + draws.gumbel()
