@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,7 @@ class Cell:
         """The cell's directory in the run store: its name and the start of its identity."""
         return f"{self.name}-{self.cell_id[:8]}"
 
-    @property
+    @cached_property
     def directory(self) -> Path:
         """``<store_dir>/<sweep>/<name>-<id[:8]>``: where the cell's files are."""
         return sweep_directory(self.store_dir, self.sweep) / self.dirname

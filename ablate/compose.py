@@ -15,12 +15,17 @@ its cell with it once):
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import functools
 import inspect
+import json
+from collections.abc import Iterable, Mapping
 from dataclasses import fields, is_dataclass
+from enum import Enum
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigTypeError
 
 from ablate.backends import backend_names, get_backend
@@ -33,7 +38,7 @@ from ablate.policies import PolicyError, get_policy, load_plugins, policy_class
 from ablate.probes import check_probe_every, parse_probes, probe_table
 from ablate.store import store_root
 
-__all__ = ["ConfigError", "cell_from_config", "resolved_config", "unknown_key", "variant_of"]
+__all__ = ["CellTemplate", "ConfigError", "cell_from_config", "resolved_config", "unknown_key", "variant_of"]
 
 #: The longest file name most file systems take (bytes): a cell's directory must fit.
 MAX_NAME_BYTES = 255
@@ -44,6 +49,17 @@ def cell_from_config(cfg: DictConfig) -> Cell:
 
     The modules the config lists under ``plugins`` are imported first, in whichever process this runs.
     """
+    plugins = load_config_plugins(cfg)
+    stray = unknown_key(cfg)
+    if stray is not None:
+        raise ConfigError(stray)
+    app = OmegaConf.to_object(cfg)
+    assert isinstance(app, AppConfig)
+    return build_cell(app, resolved_plain(cfg), plugins, AppConfig.SECTIONS)
+
+
+def load_config_plugins(cfg: DictConfig) -> tuple[str, ...]:
+    """Import the config's ``plugins`` and check that its policy is known; the plugins, as a tuple."""
     name = cfg.policy.name
     plugins = tuple(str(module) for module in cfg.get("plugins") or ())
     try:
@@ -51,19 +67,28 @@ def cell_from_config(cfg: DictConfig) -> Cell:
         policy_class(name)
     except PolicyError as error:
         raise ConfigError(f"policy.name={name!r}: {error}") from None
-    stray = unknown_key(cfg)
-    if stray is not None:
-        raise ConfigError(stray)
-    app = OmegaConf.to_object(cfg)
-    assert isinstance(app, AppConfig)
-    check_app(app)
-    resolved = resolved_config(cfg)
+    return plugins
+
+
+def build_cell(app: AppConfig, plain: dict[str, Any], plugins: tuple[str, ...], sections: Iterable[str]) -> Cell:
+    """The :class:`Cell` of a typed config and its plain (resolved) form, every value checked.
+
+    ``sections`` are the sections to check (every one, but for a cell derived from a template whose
+    other sections were checked already); the top-level values are always checked.
+    """
+    if "backend" in sections:
+        # A misspelt backend.name composes (the field is a string) but has nothing to run the cell.
+        require(app.backend.name in backend_names(), "backend.name", app.backend.name,
+                f"one of {', '.join(backend_names())} (choose a backend with backend=<name>)")
+    for section in sections:
+        getattr(app, section).check()
+    app.check_values()
+    _check_objective(app.objective)
+    name = app.policy.name
+    resolved = finish_resolved(plain, name)
     policy_cfg = resolved["policy"]
     settings = {k: v for k, v in policy_cfg.items() if k not in ("name", "fisher")}
-    try:
-        get_policy(name, **settings)  # checks the settings now rather than in the middle of a run
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
+    _check_policy_settings(name, settings)
     check_supported(app, resolved["probes"])
     budget, seed, trial = resolved["budget"], int(app.seed), app.trial
     variant = variant_of(name, settings, policy_cfg.get("fisher", {}))
@@ -72,8 +97,8 @@ def cell_from_config(cfg: DictConfig) -> Cell:
     cell = Cell(
         backend=app.backend, policy=name, policy_settings=settings, fisher=app.policy.fisher, budget=budget, seed=seed,
         sweep=app.sweep, cell_id=cell_id_of(resolved), trial=trial, variant=variant, plugins=plugins,
-        name=cell_name(name, budget, seed, trial, variant), probes=parse_probes(resolved["probes"]),
-        probe_every=resolved["probe_every"], store_dir=store_root(app.store_dir), tracking=app.tracking,
+        name=cell_name(name, budget, seed, trial, variant), probes=_probes(resolved["probes"]),
+        probe_every=resolved["probe_every"], store_dir=_store_root(app.store_dir), tracking=app.tracking,
         objective=tuple(str(o) for o in objective) if multi else (str(objective),), multi_objective=multi,
         resolved=resolved,
     )
@@ -81,13 +106,127 @@ def cell_from_config(cfg: DictConfig) -> Cell:
     return cell
 
 
-def check_app(app: AppConfig) -> None:
-    """Every section's own check, the backend's name against the registry, and the objective."""
-    # A misspelt backend.name composes (the field is a string) but has nothing to run the cell.
-    require(app.backend.name in backend_names(), "backend.name", app.backend.name,
-            f"one of {', '.join(backend_names())} (choose a backend with backend=<name>)")
-    app.check()
-    check_objective(app.objective)
+class CellTemplate:
+    """What every job of one composition shares, checked once: a job's cell is this base with the
+    job's values (``budget=0.1``, ``seed=3``, ``policy.tau=1.0``) set in it.
+
+    A grid has few compositions (one per choice of config groups) and many values, so a sweep
+    plans its cells from templates at the cost of a few dictionary updates each, instead of
+    composing and resolving every job (:meth:`cell` gives exactly what :func:`cell_from_config`
+    gives for the job's composed config: ``tests/test_plan.py`` holds the two against each other).
+    A composition that holds an interpolation (a value may depend on another) makes no template.
+    """
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.plugins = load_config_plugins(cfg)
+        stray = unknown_key(cfg)
+        if stray is not None:
+            raise ConfigError(stray)
+        app = OmegaConf.to_object(cfg)
+        assert isinstance(app, AppConfig)
+        self.app, self.plain = app, resolved_plain(cfg)
+        self.fixed_budget = policy_class(app.policy.name).fixed_budget
+        self._checked: set[str] = set()
+
+    @classmethod
+    def of(cls, cfg: DictConfig) -> CellTemplate | None:
+        """The template of a composed config, or None where values may depend on each other."""
+        return None if has_interpolation(cfg) else cls(cfg)
+
+    def cell(self, values: Mapping[str, Any]) -> Cell:
+        """The cell with ``values`` (dotted key -> value, typed as the config's schema types it) set."""
+        plain, top, nested = self.plain, {}, {}
+        for key, value in values.items():
+            path = key.split(".")
+            plain = _set(plain, path, choice_value(value) if isinstance(value, Enum) else value)
+            if len(path) == 1:
+                top[key] = value
+            else:
+                nested.setdefault(path[0], []).append((path[1:], value))
+        for section, settings in nested.items():
+            node = getattr(self.app, section)
+            for path, value in settings:
+                node = _replaced(node, path, value)
+            top[section] = node
+        app = dataclasses.replace(self.app, **top) if top else self.app
+        touched = set(nested)
+        unchecked = [section for section in AppConfig.SECTIONS if section not in self._checked and section not in touched]
+        cell = build_cell(app, plain, self.plugins, [*touched, *unchecked])
+        self._checked.update(unchecked)  # what no job changes is checked once per template
+        return cell
+
+
+def has_interpolation(cfg: DictConfig | ListConfig) -> bool:
+    """Whether any value of ``cfg`` (outside ``hydra``) is an interpolation."""
+    keys = range(len(cfg)) if isinstance(cfg, ListConfig) else [key for key in cfg.keys() if key != "hydra"]
+    for key in keys:
+        if OmegaConf.is_interpolation(cfg, key):
+            return True
+        if OmegaConf.is_missing(cfg, key):
+            continue
+        value = cfg[key]  # not an interpolation: reading it resolves nothing
+        if isinstance(value, (DictConfig, ListConfig)) and has_interpolation(value):
+            return True
+    return False
+
+
+def _replaced(node: Any, path: list[str], value: Any) -> Any:
+    """``node`` (a dataclass) with ``path`` set to ``value``, every dataclass on the way copied."""
+    head, rest = path[0], path[1:]
+    return dataclasses.replace(node, **{head: _replaced(getattr(node, head), rest, value) if rest else value})
+
+
+def _set(plain: dict[str, Any], path: list[str], value: Any) -> dict[str, Any]:
+    """``plain`` with ``path`` set to ``value``: the dicts on the way are copied, the rest shared."""
+    head, rest = path[0], path[1:]
+    updated = dict(plain)
+    updated[head] = _set(plain[head], rest, value) if rest else value
+    return updated
+
+
+@functools.lru_cache(maxsize=64)
+def _store_root(store_dir: str) -> Any:
+    return store_root(store_dir)
+
+
+@functools.lru_cache(maxsize=256)
+def _check_objective_cached(objective: str | tuple[str, ...]) -> None:
+    check_objective(objective)
+
+
+def _check_objective(objective: Any) -> None:
+    """:func:`ablate.outcomes.check_objective`, once per distinct objective."""
+    try:
+        key = objective if isinstance(objective, str) else tuple(objective)
+        hash(key)
+    except TypeError:
+        check_objective(objective)
+        return
+    _check_objective_cached(key)
+
+
+_CHECKED_SETTINGS: set[str] = set()
+
+
+def _check_policy_settings(name: str, settings: dict[str, Any]) -> None:
+    """The policy's own settings, through ``get_policy`` (once per distinct settings), rather than mid-run."""
+    key = json.dumps([name, settings], sort_keys=True, default=str)
+    if key in _CHECKED_SETTINGS:
+        return
+    try:
+        get_policy(name, **settings)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    _CHECKED_SETTINGS.add(key)
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed_probes(table: str) -> tuple[Any, ...]:
+    return parse_probes(json.loads(table))
+
+
+def _probes(table: list[dict[str, Any]]) -> tuple[Any, ...]:
+    return _parsed_probes(json.dumps(table, sort_keys=True)) if table else ()
 
 
 def check_supported(app: AppConfig, probes: list[dict[str, Any]]) -> None:
@@ -151,32 +290,46 @@ def variant_of(policy: str, settings: dict[str, Any], fisher: dict[str, Any]) ->
     count only for a policy that reads the estimate (``reads_fisher``).
     """
     cls = policy_class(policy)
-    defaults = {
-        p.name: p.default for p in inspect.signature(cls.__init__).parameters.values()
-        if p.kind is inspect.Parameter.KEYWORD_ONLY
-    }
+    defaults = _keyword_defaults(cls)
     changed = [f"{k}={v}" for k, v in sorted(settings.items()) if k in defaults and defaults[k] != v]
     if cls.reads_fisher:
-        base = {f.name: choice_value(getattr(FisherEstimateConfig(), f.name)) for f in fields(FisherEstimateConfig)}
+        base = _fisher_defaults()
         changed += [f"fisher.{k}={v}" for k, v in sorted(fisher.items()) if base.get(k) != v]
     return ",".join(changed)
 
 
-def resolved_budget(cfg: DictConfig) -> float:
-    try:
-        return check_budget(cfg.budget, cfg.policy.name, fixed=policy_class(cfg.policy.name).fixed_budget)
-    except ValueError as error:
-        raise ConfigError(f"{error} (from the config key budget)") from None
+@functools.lru_cache(maxsize=None)
+def _keyword_defaults(cls: type) -> dict[str, Any]:
+    return {p.name: p.default for p in inspect.signature(cls.__init__).parameters.values()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
-def resolved_config(cfg: DictConfig) -> dict[str, Any]:
-    """The config as plain data with the budget resolved (``none`` -> 0, ``full`` -> 1)."""
+@functools.lru_cache(maxsize=1)
+def _fisher_defaults() -> dict[str, Any]:
+    return {f.name: choice_value(getattr(FisherEstimateConfig(), f.name)) for f in fields(FisherEstimateConfig)}
+
+
+def resolved_plain(cfg: DictConfig) -> dict[str, Any]:
+    """The config as plain data, every interpolation resolved and every choice a string."""
     plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     assert isinstance(plain, dict)
     plain.pop("hydra", None)
-    plain["budget"] = resolved_budget(cfg)
-    plain["schema_version"] = SCHEMA_VERSION
-    # The probe table in canonical form: the same probes written either way are the same cell.
-    plain["probes"] = probe_table(parse_probes(plain.get("probes")))
-    plain["probe_every"] = check_probe_every(plain.get("probe_every", 1))
     return plain
+
+
+def finish_resolved(plain: dict[str, Any], policy: str) -> dict[str, Any]:
+    """The resolved config a cell records: its budget resolved (``none`` -> 0, ``full`` -> 1), the
+    schema version, and the probes in canonical form (the same probes written either way are the same cell)."""
+    try:
+        budget = check_budget(plain["budget"], policy, fixed=policy_class(policy).fixed_budget)
+    except ValueError as error:
+        raise ConfigError(f"{error} (from the config key budget)") from None
+    table = plain.get("probes")
+    return {**plain, "budget": budget, "schema_version": SCHEMA_VERSION,
+            "probes": probe_table(_probes(table) if isinstance(table, list) else parse_probes(table)),
+            "probe_every": check_probe_every(plain.get("probe_every", 1))}
+
+
+def resolved_config(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved config a cell of ``cfg`` records (:func:`finish_resolved`)."""
+    return finish_resolved(resolved_plain(cfg), cfg.policy.name)

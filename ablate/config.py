@@ -244,14 +244,19 @@ class AppConfig:
     #: synthetic cell's time (bench/bench_probes.py).
     probe_every: int = 10
 
+    #: The sections, each with its own ``check()``.
+    SECTIONS: ClassVar[tuple[str, ...]] = ("backend", "policy", "tracking", "analysis")
+
     def check(self) -> None:
         """Every section and every top-level value. What needs more than the config itself is
         checked where the cell is composed (:mod:`ablate.compose`): the backend's name against the
         registry, the budget against its policy, the objective against the outcomes."""
-        self.backend.check()
-        self.policy.check()
-        self.tracking.check()
-        self.analysis.check()
+        for section in self.SECTIONS:
+            getattr(self, section).check()
+        self.check_values()
+
+    def check_values(self) -> None:
+        """The top-level values, without the sections."""
         require_int("seed", self.seed, 0, MAX_SEED, "2**31 - 1, the largest seed every backend's generators take")
         if self.trial is not None:
             require_int("trial", self.trial, 0)

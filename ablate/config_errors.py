@@ -24,7 +24,6 @@ from typing import Any, NoReturn
 
 import yaml
 
-
 #: Hydra's flags that take the next argument as their value (``-sc install=bash`` is not an override).
 FLAGS_WITH_VALUES = {"-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name", "-cd",
                      "--config-dir", "--experimental-rerun", "-sc", "--shell-completion"}

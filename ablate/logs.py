@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from ablate.store import is_disk_full
+from ablate.store.files import is_disk_full
 
 
 class OnlyOutsideSweeps(logging.Filter):

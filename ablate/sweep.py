@@ -69,20 +69,16 @@ def plan_grid(jobs: Sequence[Sequence[str]], compose: Callable[[list[str]], Dict
     """Budget-matched, de-duplicated cells of a grid, with their state in the run store.
 
     ``compose(overrides)`` returns the app config of one job (the sweeper composes with Hydra;
-    tests may pass any function that builds the config).
+    tests may pass any function that builds the config). A composer that also has
+    ``template(overrides)`` (the grid sweeper's) plans a job without composing it where it can:
+    the planning then costs the grid's compositions, not its cells.
     """
     planned: list[PlannedCell] = []
     seen: set[str] = set()
     for job, label in zip(jobs, arm_labels(jobs)):
         overrides = list(job) + ([quoted_override("tracking.label", label)] if label else [])
         try:
-            cfg = compose(overrides)
-            load_plugins(str(module) for module in cfg.get("plugins") or ())
-            fixed = fixed_budget_of(cfg.policy.name)
-            if fixed is not None and cfg.budget is not None and cfg.budget != fixed:
-                overrides = [o for o in overrides if override_key(o) != "budget"] + ["budget=null"]
-                cfg = compose(overrides)
-            cell = cell_from_config(cfg)
+            overrides, cell = _planned_cell(overrides, compose)
         except ConfigError as error:
             raise ConfigError(f"{error} (in the sweep job {' '.join(job)})") from None
         if cell.cell_id in seen:
@@ -90,6 +86,33 @@ def plan_grid(jobs: Sequence[Sequence[str]], compose: Callable[[list[str]], Dict
         seen.add(cell.cell_id)
         planned.append(PlannedCell(overrides, cell, cell.directory, inspect_cell(cell.directory, cell.cell_id)))
     return planned
+
+
+def _planned_cell(overrides: list[str], compose: Callable[[list[str]], DictConfig]) -> tuple[list[str], Cell]:
+    """The job's cell, and its overrides with the budget dropped for a policy whose budget is fixed.
+
+    ``none`` and ``full`` have one budget by definition: a grid's budgets collapse to it.
+    """
+    templates = getattr(compose, "template", None)
+    found = templates(overrides) if templates is not None else None
+    if found is not None:
+        template, values = found
+        fixed = template.fixed_budget
+        if fixed is not None and values.get("budget") not in (None, fixed):
+            overrides = _without_budget(overrides)
+            values = {**values, "budget": None}
+        return overrides, template.cell(values)
+    cfg = compose(overrides)
+    load_plugins(str(module) for module in cfg.get("plugins") or ())
+    fixed = fixed_budget_of(cfg.policy.name)
+    if fixed is not None and cfg.budget is not None and cfg.budget != fixed:
+        overrides = _without_budget(overrides)
+        cfg = compose(overrides)
+    return overrides, cell_from_config(cfg)
+
+
+def _without_budget(overrides: list[str]) -> list[str]:
+    return [o for o in overrides if override_key(o) != "budget"] + ["budget=null"]
 
 
 #: Override keys a cell's name already carries (with its variant: the policy's own settings), or

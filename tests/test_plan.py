@@ -200,3 +200,45 @@ def test_the_job_composer_gives_what_hydra_composes(sweep):
         with open_dict(expected):
             del expected["hydra"]
         assert OmegaConf.to_container(fast(job)) == OmegaConf.to_container(expected), job
+
+
+@pytest.mark.parametrize("sweep", ["budget_selection", "fisher_estimator", "per_layer", "probes"])
+def test_a_cell_planned_from_its_template_is_the_cell_of_its_composed_config(sweep):
+    """The sweeper plans most jobs without composing them (CellTemplate): the cells must be the same."""
+    from ablate.compose import cell_from_config
+
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path("pkg://ablate.conf"))
+    master = loader.load_configuration("config", overrides=[f"sweeps={sweep}"], run_mode=RunMode.MULTIRUN)
+    params = {str(k): str(v) for k, v in master.hydra.sweeper.params.items()}
+    parser = OverridesParser.create(config_loader=loader)
+    axes = {k: [str(v) for v in parser.parse_override(f"{k}={v}").sweep_string_iterator()] for k, v in params.items()}
+    jobs = [[f"sweeps={sweep}", *job, "store_dir=/store"] for job in grid(**axes)]
+    jobs = jobs[:: max(1, len(jobs) // 12)]
+    jobs += [[f"sweeps={sweep}", "policy=fisher", "budget=0.1", "seed=3", "policy.tau=1.5", "tracking.mode=disabled",
+              "backend.steps=7", "policy.fisher.normalize=global", "trial=4", "sweep=other", "store_dir='/s (é,)'"],
+             [f"sweeps={sweep}", "policy=none", "budget=null", "seed=2", "objective=kl_k3_mean", "tracking.label='a b'"]]
+    composer = JobComposer(master, loader)
+    for job in jobs:
+        found = composer.template(job)
+        assert found is not None, job
+        template, values = found
+        if template.fixed_budget is not None and values.get("budget") is not None:  # as plan_grid collapses none/full
+            job = [o for o in job if not o.startswith("budget=")] + ["budget=null"]
+            values = {**values, "budget": None}
+        fast, slow = template.cell(values), cell_from_config(composer(job))
+        assert fast == slow and fast.resolved == slow.resolved, job
+
+
+def test_a_job_a_template_cannot_describe_is_composed_whole(tmp_path):
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path("pkg://ablate.conf"))
+    master = loader.load_configuration("config", overrides=[], run_mode=RunMode.MULTIRUN)
+    composer = JobComposer(master, loader)
+    for job in (["policy=random", "budget=0.1", "+backend.stepz=3"], ["policy=random", "budget=0.1", "~objective"],
+                ["policy=random", "budget=0.1", "probes=[none,random@0.5]"],
+                ["policy=random", "budget=0.1", "tracking.project=${sweep}"]):
+        assert composer.template(job) is None, job
+    with pytest.raises(ConfigError, match=r"backend.stepz=3: backend=synthetic has no setting 'stepz'"):
+        plan_grid([["policy=random", "budget=0.1", "+backend.stepz=3", f"store_dir={tmp_path}"]], composer)
+    (planned,) = plan_grid([["policy=random", "budget=0.1", "probes=[none,random@0.5]", f"store_dir={tmp_path}"]],
+                           composer)
+    assert [probe.id for probe in planned.cell.probes] == ["none", "random@0.5"]

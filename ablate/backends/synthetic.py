@@ -51,7 +51,13 @@ from ablate.budget import check_budget
 from ablate.cell import Cell
 from ablate.config import choice_value
 from ablate.diagnostics import mismatch_metrics, replay_metrics, route_diagnostics
-from ablate.fisher import FisherTracker, GradientCapture, expert_output_sq_grads, linear_param_sq_grads, router_logit_sq_grads
+from ablate.fisher import (
+    FisherTracker,
+    GradientCapture,
+    expert_output_sq_grads,
+    linear_param_sq_grads,
+    router_logit_sq_grads,
+)
 from ablate.policies import PolicySpec, ReplayPolicy, replay_mask
 from ablate.probes import Probe, is_probed, probe_generator, probe_record
 from ablate.routes import Routes, native_margin

@@ -65,19 +65,25 @@ def inspect_cell(directory: Path, cell_id: str | None = None) -> CellView:
     directory it names), config, summary and Parquet records read back (the Parquet footer is
     checked, not every row), so a damaged cell is rerun instead of skipped, and read by no analysis.
     """
-    if directory.exists() and not directory.is_dir():
+    # The status is read first: most cells a sweep plans have none yet, and one failed open says
+    # so without the two checks below (a file where the directory is fails as ENOTDIR, not ENOENT).
+    try:
+        status = read_json(directory / STATUS_FILE)
+    except FileNotFoundError:
+        status = None
+    except StoreError as error:
+        status = error
+    if status is not None and directory.exists() and not directory.is_dir():
         return CellView(directory, CellState.CORRUPT, 0,
                         f"{directory}: a file where the cell's directory should be; move it away, then run again")
     if (directory / CLAIM_FILE).is_dir():
         return CellView(directory, CellState.CORRUPT, 0,
                         f"{directory / CLAIM_FILE}: a directory where the cell's claim file should be; remove it, "
                         "then run again")
-    try:
-        status = read_json(directory / STATUS_FILE)
-    except FileNotFoundError:
+    if status is None:
         return CellView(directory, CellState.NEW, 0)
-    except StoreError as error:
-        return CellView(directory, CellState.CORRUPT, 0, str(error))
+    if isinstance(status, StoreError):
+        return CellView(directory, CellState.CORRUPT, 0, str(status))
     attempt = status.get("attempt")
     attempt = attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else 0
     recorded = status.get("status")

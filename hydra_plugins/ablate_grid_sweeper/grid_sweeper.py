@@ -44,17 +44,19 @@ ConfigStore.instance().store(group="hydra/sweeper", name="ablate_grid", node=Abl
 
 
 class JobComposer:
-    """Composes the app config of each job of a grid as Hydra would, but once per group choice.
+    """Composes the jobs of a grid as Hydra would, but once per choice of config groups.
 
     Hydra composes a job in two phases: overrides of config groups (``policy=fisher``) choose the
     defaults list, then the other overrides (``budget=0.1``, ``policy.tau=1``) are applied to the
     composed config (both through :mod:`.hydra_private`). A grid has few group choices and many
-    values, so the first phase is cached per set of group overrides, and the second is Hydra's own
-    function applied to the cached config, whose previous values are put back at the next call
-    (copying an OmegaConf config per job would cost more than the rest of planning). Which
-    override is a group override is decided as Hydra decides it (``repository.group_exists``).
+    values, so the first phase is done once per set of group overrides. Which override is a group
+    override is decided as Hydra decides it (``repository.group_exists``).
 
-    The returned config is valid until the next call.
+    :meth:`template` plans a job without composing it at all: each value override is typed once
+    (set in a scratch copy of its composition, as Hydra sets it, and read back), and the job's
+    cell is its composition's :class:`~ablate.compose.CellTemplate` with those values. A job the
+    template cannot describe (an addition, a deletion, a list or mapping value, a composition with
+    interpolations) gets None, and is composed whole by :meth:`__call__`.
     """
 
     def __init__(self, master: DictConfig, config_loader: ConfigLoaderImpl) -> None:
@@ -63,7 +65,10 @@ class JobComposer:
         self.parser = OverridesParser.create(config_loader=config_loader)
         self._parsed: dict[str, Override] = {}
         self._composed: dict[tuple[str, ...], DictConfig] = {}
-        self._undo: list[tuple[DictConfig, str, Any]] = []
+        self._templates: dict[tuple[str, ...], Any] = {}
+        self._scratch: dict[tuple[str, ...], DictConfig] = {}
+        self._typed: dict[tuple[tuple[str, ...], str], Optional[tuple[str, Any]]] = {}
+        self._groups: dict[str, bool] = {}
 
     def parse(self, override: str) -> Override:
         if override not in self._parsed:
@@ -71,45 +76,82 @@ class JobComposer:
         return self._parsed[override]
 
     def __call__(self, overrides: list[str]) -> DictConfig:
-        self._restore()
+        """The job's app config, as Hydra composes it (a copy: the caller may keep it)."""
+        key, values = self._split(overrides)
+        cfg = copy.deepcopy(self._composition(key))
+        apply_overrides(values, cfg)
+        return cfg
+
+    def template(self, overrides: list[str]) -> Optional[tuple[Any, dict[str, Any]]]:
+        """The job's composition as a :class:`~ablate.compose.CellTemplate` and its values, or None."""
+        from ablate.compose import CellTemplate
+
+        key, values = self._split(overrides)
+        if key not in self._templates:
+            self._templates[key] = CellTemplate.of(self._composition(key))
+        template = self._templates[key]
+        if template is None:
+            return None
+        typed = {}
+        for override in values:
+            found = self._typed_value(key, override)
+            if found is None:
+                return None
+            typed[found[0]] = found[1]
+        return template, typed
+
+    def _split(self, overrides: list[str]) -> tuple[tuple[str, ...], list[Override]]:
         groups, values = [], []
         for override in map(self.parse, overrides):
-            is_group = self.repository.group_exists(override.key_or_group)
-            (values if isinstance(override.value(), dict) or not is_group else groups).append(override)
-        key = tuple(o.input_line for o in groups if o.input_line is not None)
+            (groups if self._is_group(override) else values).append(override)
+        return tuple(o.input_line for o in groups if o.input_line is not None), values
+
+    def _is_group(self, override: Override) -> bool:
+        """Whether ``override`` chooses a config group (looked up once per key: each lookup searches the configs)."""
+        if isinstance(override.value(), dict):
+            return False
+        key = override.key_or_group
+        if key not in self._groups:
+            self._groups[key] = self.repository.group_exists(key)
+        return self._groups[key]
+
+    def _composition(self, key: tuple[str, ...]) -> DictConfig:
         if key not in self._composed:
             composed = self.loader.load_sweep_config(self.master, list(key))
             with open_dict(composed):
                 del composed["hydra"]
             self._composed[key] = composed
-        cfg = self._composed[key]
-        if not all(self._replaces_a_value(cfg, o) for o in values):
-            cfg = copy.deepcopy(cfg)  # adds, deletions and containers: nothing to put back
-        else:
-            for override in values:
-                parent, leaf = self._parent(cfg, override.key_or_group)
-                self._undo.append((parent, leaf, parent._get_node(leaf)._value()))
-        apply_overrides(values, cfg)
-        return cfg
+        return self._composed[key]
 
-    @staticmethod
-    def _parent(cfg: DictConfig, key: str) -> tuple[DictConfig, str]:
-        head, _, leaf = key.rpartition(".")
-        return (OmegaConf.select(cfg, head) if head else cfg), leaf
+    def _typed_value(self, key: tuple[str, ...], override: Override) -> Optional[tuple[str, Any]]:
+        """``(dotted key, value)`` as the config's schema types it, or None for what a template cannot take."""
+        cached = (key, override.input_line or "")
+        if cached not in self._typed:
+            self._typed[cached] = self._type(key, override)
+        return self._typed[cached]
 
-    def _replaces_a_value(self, cfg: DictConfig, override: Override) -> bool:
-        """A plain ``key=value`` on an existing leaf: the one kind of change that is put back."""
-        if override.is_add() or override.is_force_add() or override.is_delete():
-            return False
-        parent, leaf = self._parent(cfg, override.key_or_group)
-        if not isinstance(parent, DictConfig) or leaf not in parent:
-            return False
-        return not isinstance(parent._get_node(leaf), (DictConfig, ListConfig))
+    def _type(self, key: tuple[str, ...], override: Override) -> Optional[tuple[str, Any]]:
+        if override.is_add() or override.is_force_add() or override.is_delete() or override.is_sweep_override():
+            return None
+        if key not in self._scratch:  # each override is set here and read back at once
+            self._scratch[key] = copy.deepcopy(self._composition(key))
+        scratch = self._scratch[key]
+        path = override.key_or_group
+        if not isinstance(OmegaConf.select(scratch, path.rpartition(".")[0]) if "." in path else scratch, DictConfig):
+            return None
+        before = OmegaConf.select(scratch, path, default=_ABSENT)
+        if before is _ABSENT or isinstance(before, (DictConfig, ListConfig)):
+            return None
+        apply_overrides([override], scratch)
+        head, _, leaf = path.rpartition(".")
+        if OmegaConf.is_interpolation(OmegaConf.select(scratch, head) if head else scratch, leaf):
+            return None  # its value depends on the job's other values
+        value = OmegaConf.select(scratch, path)
+        return None if isinstance(value, (DictConfig, ListConfig)) else (path, value)
 
-    def _restore(self) -> None:
-        while self._undo:
-            parent, leaf, raw = self._undo.pop()
-            parent[leaf] = raw
+
+#: What ``OmegaConf.select`` returns for a key the config does not have.
+_ABSENT = object()
 
 
 class AblateGridSweeper(BasicSweeper):
