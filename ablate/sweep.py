@@ -293,10 +293,13 @@ class ProgressReporter:
         self._last: tuple[int, ...] | None = None
         self._bar = None
         self.pace = Pace()
+        self._tracked = tracked(planned)
+        #: Cells seen complete: a complete cell stays so, and is not read again at every report.
+        self._complete: set[Path] = set()
         if self.stream.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=len(tracked(planned)), desc=f"sweep {sweep}", unit="cell", file=self.stream,
+            self._bar = tqdm(total=len(self._tracked), desc=f"sweep {sweep}", unit="cell", file=self.stream,
                              dynamic_ncols=True)
         self._thread = threading.Thread(target=self._loop, daemon=True, name=f"progress-{sweep}")
 
@@ -315,12 +318,20 @@ class ProgressReporter:
     def elapsed(self) -> float:
         return time.monotonic() - self.started
 
+    def _state(self, cell: PlannedCell) -> CellState:
+        if cell.directory in self._complete:
+            return CellState.COMPLETE
+        state = outcome(cell)[0]
+        if state is CellState.COMPLETE:
+            self._complete.add(cell.directory)
+        return state
+
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
             self.report()
 
     def report(self) -> None:
-        states = {cell.directory: outcome(cell)[0] for cell in tracked(self.planned)}
+        states = {cell.directory: self._state(cell) for cell in self._tracked}
         counts = Counter(states.values())
         self.pace.update(states, time.monotonic())
         if self._bar is not None:
