@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 VENV=${DOCS_VENV:-.venv-docs}
-MKDOCS_SPEC=("mkdocs==1.6.1" "mkdocs-material==9.8.1")
+MKDOCS_SPEC=("mkdocs==1.6.1" "mkdocs-material==9.8.1" "mkdocstrings==1.0.8" "mkdocstrings-python==2.0.11")
 
 test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "${MKDOCS_SPEC[@]}"

@@ -68,7 +68,8 @@ class FisherTracker:
     """Accumulates per-token squared gradients into a smoothed ``[layers, experts]`` estimate.
 
     Args:
-        num_layers, num_experts: shape of the estimate.
+        num_layers: the estimate's rows, one per MoE layer.
+        num_experts: the estimate's columns, one per expert.
         decay: EMA decay across steps, in [0, 1). 0 keeps only the latest step. The EMA is
             bias-corrected per entry (as in Adam), so early steps are not pulled towards zero.
         normalize: how :meth:`scores` rescales the estimate: ``"none"``; ``"layer"`` (each layer

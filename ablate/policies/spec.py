@@ -25,9 +25,10 @@ class PolicySpec:
     Args:
         name: a registered policy (``none``, ``full``, ``random``, ``uniform``, ``fisher``, ...).
         settings: the policy's keyword settings for :func:`ablate.policies.get_policy`.
-        fisher_decay, fisher_normalize: :class:`ablate.fisher.FisherTracker` settings. Every
-            policy gets a tracker (its Fisher mass is logged for every arm); a policy that
-            ``reads_fisher`` ranks routes by it.
+        fisher_decay: the decay of the :class:`ablate.fisher.FisherTracker`. Every policy gets a
+            tracker (its Fisher mass is logged for every arm); a policy that ``reads_fisher``
+            ranks routes by it.
+        fisher_normalize: the tracker's normalization (``none``, ``layer`` or ``global``).
         plugins: modules to import before the policy is looked up (the config's ``plugins``).
     """
 
