@@ -189,20 +189,15 @@ def _store_root(store_dir: str) -> Any:
     return store_root(store_dir)
 
 
-@functools.lru_cache(maxsize=256)
-def _check_objective_cached(objective: str | tuple[str, ...]) -> None:
-    check_objective(objective)
+_CHECKED_OBJECTIVES: set[str] = set()
 
 
 def _check_objective(objective: Any) -> None:
     """:func:`ablate.outcomes.check_objective`, once per distinct objective."""
-    try:
-        key = objective if isinstance(objective, str) else tuple(objective)
-        hash(key)
-    except TypeError:
+    key = json.dumps(objective, default=str)
+    if key not in _CHECKED_OBJECTIVES:
         check_objective(objective)
-        return
-    _check_objective_cached(key)
+        _CHECKED_OBJECTIVES.add(key)
 
 
 _CHECKED_SETTINGS: set[str] = set()
