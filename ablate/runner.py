@@ -19,7 +19,8 @@ import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
-from omegaconf import DictConfig, OmegaConf
+import yaml
+from omegaconf import DictConfig
 
 from ablate.backends import RunContext, get_backend
 from ablate.cell import Cell
@@ -114,9 +115,16 @@ def run(cell: Cell) -> dict[str, Any]:
                 budget=cell.budget, seed=cell.seed, trial=cell.trial, variant=cell.variant,
                 settings=cell.policy_settings, schema_version=cell.resolved["schema_version"], wandb_run_id=run_id,
             ).to_json(),
-            OmegaConf.to_yaml(cell.resolved), view.attempt + 1,
+            config_yaml(cell.resolved), view.attempt + 1,
         )
         return _run_started_cell(cell, recorder, run_id)
+
+
+def config_yaml(resolved: dict[str, Any]) -> str:
+    """The resolved config as the YAML of ``config.yaml``, in the config's own key order (libyaml's
+    emitter where PyYAML has it: the file is written once per cell, and OmegaConf's takes 30 ms)."""
+    dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+    return yaml.dump(resolved, Dumper=dumper, sort_keys=False, default_flow_style=False, allow_unicode=True)
 
 
 def _run_started_cell(cell: Cell, recorder: CellRecorder, run_id: str) -> dict[str, Any]:

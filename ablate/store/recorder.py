@@ -44,13 +44,16 @@ class CellRecorder:
         self.claim = claim
         self.warnings: list[str] = []
         self._rows: list[dict[str, Any]] = []
+        self._frame: pd.DataFrame | None = None
         self._status: dict[str, Any] = {}
         self._log = None
 
     @property
     def records(self) -> pd.DataFrame:
-        """Every step recorded so far, as written to the step log."""
-        return records_frame(self._rows)
+        """Every step recorded so far, as written to the step log (built once per new step)."""
+        if self._frame is None or len(self._frame) != len(self._rows):
+            self._frame = records_frame(self._rows)
+        return self._frame
 
     def _fence(self) -> None:
         if self.claim is not None:
