@@ -209,13 +209,6 @@ def native_margin(scores: Tensor, native: Tensor) -> Tensor:
     return kth - rest
 
 
-def mask_to_verl(mask: Tensor, batch: int, seq: int) -> Tensor:
-    """A ``[tokens, layers]`` replay mask in verl's ``[batch, seq, layers]`` layout."""
-    if mask.dim() != 2 or mask.shape[0] != batch * seq:
-        raise RoutesError(f"mask has shape {tuple(mask.shape)}: expected [batch * seq, layers] with batch * seq = {batch * seq}")
-    return mask.reshape(batch, seq, mask.shape[1])
-
-
 def _check_route_tensor(name: str, tensor: Tensor) -> None:
     if not isinstance(tensor, Tensor):
         raise RoutesError(f"{name} is a {type(tensor).__name__}: expected a torch.Tensor [tokens, layers, topk]")

@@ -204,11 +204,6 @@ def tracked(planned: Sequence[PlannedCell]) -> list[PlannedCell]:
     return [cell for cell in planned if cell.to_launch or cell.waited_for]
 
 
-def current_counts(planned: Sequence[PlannedCell]) -> Counter[CellState]:
-    """How many of the cells this sweep launches or waits for are in each :func:`outcome` state."""
-    return Counter(outcome(cell)[0] for cell in tracked(planned))
-
-
 def wait_for_others(planned: Sequence[PlannedCell], interval: float) -> None:
     """Block while a cell of the sweep is held by a live worker (another sweep, another host)."""
     while any(outcome(cell)[0] is CellState.RUNNING for cell in tracked(planned)):

@@ -24,7 +24,8 @@ from ablate.config import ConfigError
 from ablate.runner import run_cell
 from ablate.store import CellState, read_json
 from ablate.sweep import (
-    current_counts,
+    outcome,
+    tracked,
     describe_plan,
     plan_grid,
     progress_line,
@@ -44,6 +45,11 @@ def grid(**axes):
     """Hydra's grid order: the product of the axes, as ``key=value`` overrides."""
     keys = list(axes)
     return [[f"{k}={v}" for k, v in zip(keys, values)] for values in itertools.product(*axes.values())]
+
+
+def current_counts(planned):
+    """How many of the cells a sweep launches or waits for are in each outcome state."""
+    return Counter(outcome(cell)[0] for cell in tracked(planned))
 
 
 def by_name(planned):

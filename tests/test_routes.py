@@ -3,7 +3,7 @@ import torch
 from handbatch import NATIVE, ROLLOUT, VALID, hand_routes
 
 from ablate import Routes, RoutesError, layer_quotas
-from ablate.routes import mask_to_verl, overlap_count
+from ablate.routes import overlap_count
 
 
 def test_properties_of_the_hand_batch():
@@ -88,8 +88,6 @@ def test_verl_layout_round_trips_a_left_padded_batch():
     assert back.dtype == torch.int16 and torch.equal(back, routed)
     inferred = Routes.from_verl(routed, mask)
     assert inferred.num_experts == int(routed[mask.bool()].max()) + 1
-    replay = torch.rand(batch * seq, layers, generator=g) < 0.5
-    assert torch.equal(mask_to_verl(replay, batch, seq)[1], replay[seq : 2 * seq])
     with pytest.raises(RoutesError, match=r"mask has shape \(3, 5\)"):
         Routes.from_verl(routed, mask[:, :5])
     with pytest.raises(RoutesError, match="mask has dtype torch.float32: expected bool or 0/1"):
