@@ -8,6 +8,7 @@ analysis killed midway leaves each file whole, old or new, never empty or half w
 
 from __future__ import annotations
 
+import html
 import math
 from pathlib import Path
 from typing import Iterable
@@ -45,11 +46,17 @@ def export_table(
     return written
 
 
-def to_markdown(table: pd.DataFrame, digits: int = 4) -> str:
-    """A GitHub pipe table; floats with ``digits`` significant digits, NaN as an empty cell."""
+def to_markdown(table: pd.DataFrame, digits: int = 4, *, escape_html: bool = True) -> str:
+    """A GitHub pipe table; floats with ``digits`` significant digits, NaN as an empty cell.
+
+    ``escape_html`` (the default, for files) writes ``<``, ``>`` and ``&`` as entities: results
+    pages are built from these files, and a name such as ``<script>`` must stay text there. A
+    terminal shows the table as it is (``escape_html=False``).
+    """
     flat = _flat(table)
-    header = [str(c) for c in flat.columns]
-    body = [[_cell(v, digits, c).replace("|", "\\|") for c, v in zip(flat.columns, row)]
+    escape = (lambda text: html.escape(text, quote=False)) if escape_html else (lambda text: text)
+    header = [escape(str(c)) for c in flat.columns]
+    body = [[escape(_cell(v, digits, c)).replace("|", "\\|") for c, v in zip(flat.columns, row)]
             for row in flat.itertuples(index=False)]
     align = ["---:" if pd.api.types.is_numeric_dtype(flat[c]) else ":---" for c in flat.columns]
     lines = [header, align, *body]

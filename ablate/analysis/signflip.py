@@ -83,7 +83,7 @@ class SignFlip:
     @property
     def min_pvalue(self) -> float:
         """The smallest two-sided p-value these seeds can give: ``2 / 2**n`` (exact)."""
-        return 1.0 if self.n == 0 else (2.0 / 2.0**self.n if self.exact else 1.0 / (1 + self._sign_sums.size))
+        return 1.0 if self.n == 0 else (math.ldexp(1.0, 1 - self.n) if self.exact else 1.0 / (1 + self._sign_sums.size))
 
     def pvalue(self, mu: float = 0.0, alternative: Alternative = "two-sided") -> float:
         """p-value of "the differences are symmetric about ``mu``" (NaN without seeds).

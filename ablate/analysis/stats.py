@@ -58,11 +58,12 @@ def min_achievable_pvalue(n: int) -> float:
     """Smallest two-sided p-value an exact sign-flip test can give with ``n`` paired seeds.
 
     It is ``2 / 2**n`` (all signs agree, in either direction), reached only when no difference
-    is zero; ``1.0`` for ``n = 0``.
+    is zero; ``1.0`` for ``n = 0``. Computed as a power of two (``ldexp``), so any seed count
+    works: from 1,075 seeds on the value is below the smallest float and reads 0.0.
     """
     if n < 0:
         raise ValueError(f"n={n}: expected a non-negative seed count")
-    return min(1.0, 2.0 / 2.0**n)
+    return min(1.0, math.ldexp(1.0, 1 - n))
 
 
 def min_seeds_for_sign_flip(alpha: float = 0.05) -> int:

@@ -108,7 +108,7 @@ def summarize(
     policies in the canonical order (none, full, random, uniform, fisher, mismatch, then
     others), budgets ascending.
     """
-    settings = AnalysisSettings.of(settings, options)
+    settings = AnalysisSettings.of(settings, options, df)
     keys = arm_keys(df, settings.by)
     check_frame(df, outcome, keys)
     needed = settings.needed
@@ -201,7 +201,7 @@ def effects(
     interval or a claim, and when seeds were dropped.
     """
     rows, keys, row_settings = effect_rows(
-        df, outcome, AnalysisSettings.of(settings, options), comparisons=comparisons,
+        df, outcome, AnalysisSettings.of(settings, options, df), comparisons=comparisons,
         others_vs_random=others_vs_random, pooled=pooled, matched=matched, extrapolate=extrapolate,
     )
     return effect_table(rows, keys, row_settings)
@@ -303,7 +303,7 @@ def effect_table(rows: list[dict[str, Any]], keys: Sequence[str], settings: RowS
     analysis, direction = settings.analysis, settings.higher_is_better
     table.attrs.update(
         outcome=settings.outcome, level=analysis.level, method=analysis.method, min_seeds=analysis.needed,
-        by=list(keys), adjust=analysis.adjust, primary=list(analysis.primary), margin=settings.margin,
+        by=list(keys), adjust=analysis.adjust, primary=list(analysis.primary or ()), margin=settings.margin,
         families=families_legend(table),
         improvement={True: "higher is better", False: "lower is better"}.get(direction, "P(policy > baseline)"),
     )
