@@ -236,8 +236,7 @@ def _analyse(args: argparse.Namespace, where: dict[str, Any]) -> int:
     if args.dashboard:
         first = next(iter(result.outcomes.values()))
         _dashboard(args, directory.name, first.summary, result.keys, out)
-    print(f"\nwrote tables, effects{'' if written.plots_skipped or args.no_plots else ' and plots'} to {out}"
-          + ("" if args.wide else " (--wide prints every column)"))
+    print(f"\nwrote tables, effects{'' if written.plots_skipped or args.no_plots else ' and plots'} to {out}")
     return 0
 
 

@@ -56,7 +56,8 @@ def write_outputs(result: SweepAnalysis, out: Path, *, plots: bool = True, repor
     _export(result.flags, out / "flags", formats=("csv", "md"))
     if drawing is not None and result.steps is not None:
         with naming(out / "steps.png"):
-            written.images[""] = _png(drawing.plot_step_curves(result.steps, out / "steps", by=result.keys))
+            written.images[""] = _png(drawing.plot_step_curves(result.steps, out / "steps", by=result.keys,
+                                                               level=result.settings.level))
     if result.survival is not None:
         times, table = result.survival
         _export(table, out / "survival", formats=("csv", "md"))

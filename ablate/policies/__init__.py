@@ -3,6 +3,7 @@
 from ablate.policies.base import (
     ENTRY_POINT_GROUP,
     PolicyError,
+    PolicyLook,
     ReplayPolicy,
     available_policies,
     fixed_budget_of,
@@ -10,6 +11,7 @@ from ablate.policies.base import (
     get_policy,
     load_plugins,
     policy_class,
+    policy_look,
     register_policy,
     register_policy_options,
 )
@@ -33,6 +35,7 @@ __all__ = [
     "MismatchReplay",
     "NoReplay",
     "PolicyError",
+    "PolicyLook",
     "PolicySpec",
     "RandomReplay",
     "ReplayPolicy",
@@ -43,6 +46,7 @@ __all__ = [
     "get_policy",
     "load_plugins",
     "policy_class",
+    "policy_look",
     "register_policy",
     "register_policy_options",
     "route_scores",
