@@ -10,9 +10,10 @@ Prints the verdict first (for each outcome and policy: budget, selection, both, 
 determined at these seeds, each answer citing its table rows), then compact tables that fit 100
 columns (``--wide``: every column), the flags and the files written. Writes into ``--out``
 (default ``<sweep_dir>/analysis``), per outcome: ``table_<outcome>`` (csv, parquet, md, tex),
-``effects_<outcome>`` and ``power_<outcome>`` (csv, md), ``budget_response_<outcome>``,
-``selection_effects_<outcome>`` and ``effective_budget_<outcome>`` (png, svg); once: ``cells.csv``
-(one row per cell), ``flags`` (csv, md) and ``steps`` (png, svg); with ``--survival``
+``effects_<outcome>`` (csv, md), ``budget_response_<outcome>``, ``selection_effects_<outcome>``
+and ``effective_budget_<outcome>`` (png, svg); once: ``cells.csv`` (one row per cell), ``flags``
+(csv, md) and ``steps`` (png, svg); with ``--plan`` ``power_<outcome>`` (csv, md) and the
+command that extends the sweep; with ``--survival``
 ``survival`` (csv, md) and ``collapse_survival`` (png, svg); with ``--report`` one
 self-contained ``report.html``. Errors (no such sweep, a corrupt cell, a bad ``--where``, a bad
 option, a missing package, an output that cannot be written) are one line on stderr and exit
@@ -43,7 +44,8 @@ from ablate.analysis.probes import PROBE_OUTCOMES, across_cells, step_effects, w
 from ablate.analysis.settings import INTERVAL_METHODS, AnalysisSettings, parse_outcome_values
 from ablate.analysis.stats import ADJUSTMENTS
 from ablate.analysis.tables import arm_keys
-from ablate.analysis.writer import OutputError, naming, write_outputs
+from ablate.analysis.writer import write_outputs
+from ablate.analysis.writing import OutputError, naming
 from ablate.store import StoreError, atomic_write, make_directory
 
 
@@ -129,9 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "sign-flip tests), the verdict says 'no effect' only where it holds, and the flags "
                              "judge 'too weak' on that outcome by it; e.g. --margin final_reward=0.05")
     parser.add_argument("--plan", action="store_true",
-                        help="also print power_<outcome> (always written; the verdict reads it): per effect row "
-                             "the paired sd, the minimum detectable effect at these seeds (80%% power, the exact "
-                             "test, the row's family) and the seeds needed, with the command that extends the sweep")
+                        help="also write and print power_<outcome>: per effect row the paired sd, the minimum "
+                             "detectable effect at these seeds (80%% power, the exact test, the row's family) and "
+                             "the seeds needed, with the command that extends the sweep (the verdict plans the "
+                             "rows it reads either way)")
     parser.add_argument("--detect", action="append", default=[], metavar="OUTCOME=EFFECT",
                         help="with --plan: the seeds needed to detect this effect (outcome units) instead of "
                              "the observed one, repeatable; e.g. --detect final_reward=0.05")
@@ -228,11 +231,13 @@ def _analyse(args: argparse.Namespace, where: dict[str, Any]) -> int:
     design = design_lines(cells, keys, where)
     for line in design:
         print(line)
+    plan = args.plan or args.report
     result = analyse(cells, steps, outcomes=args.outcome, settings=settings, comparisons=comparisons,
-                     detect=detect, survival=args.survival)
-    written = write_outputs(result, out, plots=not args.no_plots, report=args.report, sweep=directory.name,
+                     detect=detect, survival=args.survival, full_plan=plan)
+    written = write_outputs(result, out, plots=not args.no_plots, report=args.report, plan=plan,
+                            sweep=directory.name,
                             report_design=[f"{len(cells)} complete cells; " + design[0], *design[1:]])
-    Printer(width=_width(), wide=args.wide).analysis(result, written, plan=args.plan or args.report)
+    Printer(width=_width(), wide=args.wide).analysis(result, written, plan=plan)
     if args.dashboard:
         first = next(iter(result.outcomes.values()))
         _dashboard(args, directory.name, first.summary, result.keys, out)

@@ -22,7 +22,7 @@ from ablate.analysis.flags import flag_policies
 from ablate.analysis.outcomes import OUTCOME_NAMES
 from ablate.analysis.settings import AnalysisSettings
 from ablate.analysis.tables import arm_keys, effects, summarize
-from ablate.analysis.verdict import Answer, read_verdict
+from ablate.analysis.verdict import Answer, cited_rows, read_verdict
 
 
 @dataclass
@@ -45,7 +45,7 @@ class SweepAnalysis:
     steps: pd.DataFrame | None
     keys: list[str]
     settings: AnalysisSettings
-    outcomes: dict[str, OutcomeTables]
+    outcomes: dict[str, OutcomeTables]  # each plan covers every row with full_plan, else the verdict's rows
     flags: pd.DataFrame
     verdict: list[Answer]
     not_logged: list[str]  # default outcomes no cell logged, left out
@@ -87,13 +87,14 @@ def analyse(
     comparisons: Sequence[tuple[str, str, str]] = (),
     detect: dict[str, float] | None = None,
     survival: bool = False,
+    full_plan: bool = False,
 ) -> SweepAnalysis:
     """Every table of the sweep in ``cells`` (``load_runs``), and the verdict.
 
     ``settings`` are completed from the sweep's declaration (primary questions, margins), as
     every table function does. ``detect`` sizes each outcome's plan for a given effect instead
-    of the observed one. ``steps`` (``load_runs(..., per_step=True)``) is needed for
-    ``survival`` only.
+    of the observed one; the plans cover the rows the verdict reads, every row with
+    ``full_plan``. ``steps`` (``load_runs(..., per_step=True)``) is needed for ``survival`` only.
     """
     from ablate.analysis.power import plan
 
@@ -108,7 +109,8 @@ def analyse(
             outcome=outcome,
             summary=summarize(cells, outcome, settings=settings),
             effects=effect_table,
-            plan=plan(effect_table, detect=(detect or {}).get(outcome)),
+            plan=plan(effect_table, detect=(detect or {}).get(outcome),
+                      rows=None if full_plan else cited_rows(effect_table)),
             dropped=dropped_line(cells, outcome),
             compared=[(key, a, b, compare_values(cells, outcome, key, a, b, settings=settings))
                       for key, a, b in comparisons],

@@ -3,7 +3,8 @@
 Markdown and LaTeX are rendered here (plain pipe tables; a booktabs ``tabular``) so that
 neither ``tabulate`` nor ``jinja2`` is needed. Index levels become ordinary leading columns.
 Every file is written as the run store writes its own (a temporary file, then a rename), so an
-analysis killed midway leaves each file whole, old or new, never empty or half written.
+analysis killed midway leaves each file whole, old or new, never empty or half written; a write
+that fails is one :class:`~ablate.analysis.writing.OutputError` naming the file.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Iterable
 import pandas as pd
 
 from ablate.budget import budget_label
-from ablate.store import atomic_write
+from ablate.analysis.writing import naming
+from ablate.store import atomic_write, make_directory
 
 FORMATS: dict[str, str] = {"csv": ".csv", "parquet": ".parquet", "md": ".md", "latex": ".tex"}
 
@@ -28,20 +30,22 @@ def export_table(
 ) -> list[Path]:
     """Write ``table`` to ``<path_stem>.<ext>`` for each format; returns the written paths."""
     stem = Path(path_stem)
-    stem.parent.mkdir(parents=True, exist_ok=True)
+    with naming(stem.parent):
+        make_directory(stem.parent, "the output folder")
     flat = _flat(table)
     written = []
     for fmt in formats:
         if fmt not in FORMATS:
             raise ValueError(f"format={fmt!r}: expected one of {sorted(FORMATS)}")
         path = stem.with_name(stem.name + FORMATS[fmt])
-        if fmt == "csv":
-            atomic_write(path, lambda tmp: flat.to_csv(tmp, index=False))
-        elif fmt == "parquet":
-            atomic_write(path, lambda tmp: flat.to_parquet(tmp, index=False))
-        else:
-            text = to_markdown(table) if fmt == "md" else to_latex(table)
-            atomic_write(path, lambda tmp: tmp.write_text(text + "\n"))
+        with naming(path):
+            if fmt == "csv":
+                atomic_write(path, lambda tmp: flat.to_csv(tmp, index=False))
+            elif fmt == "parquet":
+                atomic_write(path, lambda tmp: flat.to_parquet(tmp, index=False))
+            else:
+                text = to_markdown(table) if fmt == "md" else to_latex(table)
+                atomic_write(path, lambda tmp: tmp.write_text(text + "\n"))
         written.append(path)
     return written
 

@@ -31,7 +31,8 @@ from ablate.arms import arm_policy  # noqa: E402
 from ablate.policies import policy_look  # noqa: E402
 from ablate.policies.base import DERIVED_COLORS  # noqa: E402
 from ablate.policies.roles import BUDGET_CONTROL, FULL_REPLAY, NO_REPLAY, SELECTION_BASELINES  # noqa: E402
-from ablate.store import atomic_write  # noqa: E402
+from ablate.analysis.writing import naming  # noqa: E402
+from ablate.store import atomic_write, make_directory  # noqa: E402
 
 FORMATS: tuple[str, ...] = ("png", "svg")
 STEP_KEYS: tuple[str, ...] = ("train/reward", "mismatch/kl_k3")
@@ -317,12 +318,14 @@ def _figure(width: float = 6.5, height: float = 4.5) -> Figure:
 
 def _save(fig: Figure, path_stem: str | Path) -> list[Path]:
     stem = Path(path_stem)
-    stem.parent.mkdir(parents=True, exist_ok=True)
+    with naming(stem.parent):
+        make_directory(stem.parent, "the output folder")
     paths = []
     for fmt in FORMATS:
         path = stem.with_name(f"{stem.name}.{fmt}")
         # The temporary file's name does not end in the format, so it is given.
-        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format=fmt))
+        with naming(path):
+            atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format=fmt))
         paths.append(path)
     return paths
 

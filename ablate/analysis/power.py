@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -122,7 +122,7 @@ def row_alpha(table: pd.DataFrame, alpha: float) -> pd.Series:
 
 
 def plan(effect_table: pd.DataFrame, *, detect: float | None = None, target: float = TARGET_POWER,
-         seed: int = 0) -> pd.DataFrame:
+         seed: int = 0, rows: Sequence[Any] | None = None) -> pd.DataFrame:
     """Per effect row: paired sd, the minimum detectable effect now, and the seeds needed.
 
     Columns: ``effect``, ``policy``, ``baseline``, ``budget``, ``pooled`` (and the arm keys),
@@ -131,13 +131,17 @@ def plan(effect_table: pd.DataFrame, *, detect: float | None = None, target: flo
     ``mean`` (the observed effect), ``seeds_for_observed`` (seeds needed to detect an effect
     as large as the observed one), and with ``detect`` (an effect size in the outcome's units)
     ``detect`` and ``seeds_for_detect``. A seed count of NaN means more than
-    :data:`MAX_SEEDS` (or no effect to detect).
+    :data:`MAX_SEEDS` (or no effect to detect). ``rows`` (index labels of ``effect_table``)
+    plans those rows only, each still at its whole family's level: what the verdict needs, at a
+    fraction of the simulations.
     """
     alpha = 1.0 - float(effect_table.attrs.get("level", 0.95))
     keys = list(effect_table.attrs.get("by", []))
     out = effect_table[[*keys, "effect", "policy", "baseline", "budget", "pooled", "family", "n_seeds",
                         "sd_diff", "mean"]].copy()
     out["alpha_row"] = row_alpha(effect_table, alpha)
+    if rows is not None:
+        out = out.loc[list(rows)]
     mde, observed, wanted = [], [], []
     for row in out.itertuples(index=False):
         sd, n, level = float(row.sd_diff), int(row.n_seeds), float(row.alpha_row)

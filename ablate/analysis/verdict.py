@@ -105,6 +105,19 @@ def read_verdict(effect_tables: Mapping[str, pd.DataFrame],
     return answers
 
 
+def cited_rows(effect_table: pd.DataFrame) -> list[Any]:
+    """The index labels of the rows the verdict reads (module doc): the rows a plan must cover."""
+    cited: list[Any] = []
+    for _, part in _contexts(effect_table, list(effect_table.attrs.get("by", []))):
+        citer = _Citer(part, None)
+        questions = [("replay", FULL_REPLAY, NO_REPLAY), ("budget", BUDGET_CONTROL, NO_REPLAY)]
+        selected = part[(part["effect"] == "selection") & (part["baseline"] == BUDGET_CONTROL)]
+        for policy in order_policies(selected["policy"].unique()):
+            questions += [("selection", policy, BUDGET_CONTROL), ("matched_selection", policy, BUDGET_CONTROL)]
+        cited += [index for index in (citer.index(*question) for question in questions) if index is not None]
+    return cited
+
+
 def _answers(outcome: str, context: str, table: pd.DataFrame, plan: pd.DataFrame | None,
              attrs: Mapping[str, Any]) -> list[Answer]:
     margin = attrs.get("margin")
@@ -210,7 +223,8 @@ class _Citer:
     def __init__(self, table: pd.DataFrame, plan: pd.DataFrame | None) -> None:
         self.table, self.plan = table, plan
 
-    def row(self, effect: str, policy: str, baseline: str) -> Evidence | None:
+    def index(self, effect: str, policy: str, baseline: str) -> Any:
+        """The label of the row that answers the question, None when the table has no tested row for it."""
         table = self.table
         rows = table[(table["effect"] == effect) & (table["policy"] == policy) & (table["baseline"] == baseline)
                      & table["p_value"].notna()]
@@ -219,12 +233,14 @@ class _Citer:
         primary = rows[rows["family"].str.startswith("primary")]
         pooled = rows[rows["pooled"].astype(bool)]
         if not primary.empty:
-            index = min(primary.index, key=lambda i: _gate(primary.at[i, "family"]))
-        elif not pooled.empty:
-            index = pooled.index[0]
-        else:
-            index = rows["p_adj"].astype(float).idxmin()
-        return self._evidence(index)
+            return min(primary.index, key=lambda i: _gate(primary.at[i, "family"]))
+        if not pooled.empty:
+            return pooled.index[0]
+        return rows["p_adj"].astype(float).idxmin()
+
+    def row(self, effect: str, policy: str, baseline: str) -> Evidence | None:
+        index = self.index(effect, policy, baseline)
+        return None if index is None else self._evidence(index)
 
     def _evidence(self, index: Any) -> Evidence:
         row = self.table.loc[index]
