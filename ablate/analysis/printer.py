@@ -191,23 +191,25 @@ def flags_text(flags: pd.DataFrame, width: int = 100) -> list[str]:
     keys = list(flags.attrs.get("by", []))
     alpha = 1.0 - flags.attrs["level"]
     lines = []
+    asked = {kind: counts for kind, counts in flags.attrs["questions"].items() if counts[0]}
+    unreachable = {kind: smallest_p_adj(questions, smallest, flags.attrs["adjust"])
+                   for kind, (questions, _, smallest) in asked.items()}
+    unreachable = {kind: best for kind, best in unreachable.items() if best >= alpha}
+    why = ", ".join(f"a '{kind}' question {best:.2g} ({asked[kind][0]} questions, each at best p "
+                    f"{asked[kind][2]:.2g})" for kind, best in unreachable.items())
+    seeds = max((counts[1] for counts in asked.values()), default=0)
     if not fired.empty:
         lines.append(fit(fired[[*keys, "policy", "budget", "reason"]], width))
+    elif unreachable and len(unreachable) == len(asked):
+        lines += textwrap.wrap(
+            f"no flag can be reached at these seeds ({seeds} paired with none): after {flags.attrs['adjust']} "
+            f"over the questions of a context, the smallest p_adj is for {why}; a flag needs it below "
+            f"{alpha:.2g}, so more seeds, or fewer arms per context, are needed before an arm can be flagged", width)
     else:
-        unreachable = []
-        for kind, (questions, seeds, smallest) in flags.attrs["questions"].items():
-            best = smallest_p_adj(questions, smallest, flags.attrs["adjust"])
-            if questions and best >= alpha:
-                unreachable.append(f"'{kind}' ({questions} questions per context: {best:.2g})")
-        if unreachable and len(unreachable) == sum(1 for q, *_ in flags.attrs["questions"].values() if q):
-            seeds = max(seeds for _, seeds, _ in flags.attrs["questions"].values())
-            lines += textwrap.wrap(
-                f"no flag can be reached at these seeds: with {seeds} seeds paired with none a question's smallest "
-                f"p is {min_achievable_pvalue(seeds):.2g}, and after {flags.attrs['adjust']} over the questions of a "
-                f"context the smallest p_adj is {' and '.join(unreachable)}, not below {alpha:.2g}; more seeds, "
-                "or fewer arms per context, are needed before an arm can be flagged", width)
-        else:
-            lines.append("no arm flagged as too restrictive or too weak")
+        lines.append("no arm flagged as too restrictive or too weak")
+    if unreachable and (not fired.empty or len(unreachable) < len(asked)):
+        lines += textwrap.wrap(f"at these seeds some flags cannot be reached: the smallest p_adj is for {why}, "
+                               f"not below {alpha:.2g}", width)
     unjudged = flags["note"][flags["note"] != ""]
     if not unjudged.empty:
         lines += textwrap.wrap(f"{len(unjudged)} of {len(flags)} arms not fully judged, e.g. {unjudged.iloc[0]}",
