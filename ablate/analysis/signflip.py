@@ -161,16 +161,6 @@ class SignFlip:
         return max(self.pvalue(-margin, "greater"), self.pvalue(margin, "less"))
 
 
-def sign_flip_interval(d: np.ndarray, *, level: float = 0.95, rng: np.random.Generator | None = None) -> tuple[float, float]:
-    """The interval at ``level`` that inverts the two-sided sign-flip test (see the module doc)."""
-    return SignFlip(d, rng=rng).interval(1.0 - level)
-
-
-def tost_pvalue(d: np.ndarray, margin: float, *, rng: np.random.Generator | None = None) -> float:
-    """Equivalence p-value of ``|mean(d)| < margin`` by two one-sided sign-flip tests."""
-    return SignFlip(d, rng=rng).tost(margin)
-
-
 def t_interval(x: np.ndarray, *, level: float = 0.95) -> tuple[float, float]:
     """Student's t interval of the mean of one arm: ``mean +- t_{n-1} * sd / sqrt(n)``.
 

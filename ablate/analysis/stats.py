@@ -140,28 +140,6 @@ def bootstrap_ci(
     return snap_to_zero(float(interval.low), scale), snap_to_zero(float(interval.high), scale)
 
 
-def paired_bootstrap_ci(
-    a: np.ndarray,
-    b: np.ndarray,
-    stat: Statistic = np.mean,
-    *,
-    level: float = 0.95,
-    reps: int = 2000,
-    rng: np.random.Generator,
-    method: CiMethod = "percentile",
-) -> tuple[float, float]:
-    """Bootstrap interval of ``stat(a - b)`` over seed-paired differences.
-
-    Pairing resamples seeds, not runs: a seed-level offset shared by both arms (same data
-    order, same initial weights) cancels in ``a - b``, so the interval is narrower than an
-    unpaired one whenever arms are positively correlated across seeds. Rounding is judged
-    against the magnitude of ``a`` and ``b``, not of their (small) differences.
-    """
-    a_values, b_values = _paired(a, b)
-    scale = float(max(np.abs(a_values).max(initial=0.0), np.abs(b_values).max(initial=0.0)))
-    return bootstrap_ci(a_values - b_values, stat, level=level, reps=reps, rng=rng, method=method, scale=scale)
-
-
 def ratio_of_means_ci(
     numerator: np.ndarray,
     denominator: np.ndarray,

@@ -40,7 +40,7 @@ from ablate.analysis.outcomes import HIGHER_IS_BETTER
 from ablate.analysis.paired import paired_effect
 from ablate.analysis.settings import AnalysisSettings
 from ablate.analysis.signflip import t_interval
-from ablate.analysis.stats import bootstrap_ci, iqm, min_seeds_for_interval
+from ablate.analysis.stats import bootstrap_ci, iqm
 from ablate.arms import arm_policy
 from ablate.policies import fixed_budget_policies
 from ablate.policies.roles import (
@@ -422,15 +422,6 @@ def arm_seeds(arms: Arms, policy: str, budget: float | None) -> dict[Hashable, f
     """``{seed: value}`` of one arm of :func:`arm_values` ({} when the sweep lacks it)."""
     key = (policy, None if policy in FIXED_BUDGET_POLICIES or budget is None else round(float(budget), 12))
     return arms.get(key, {})
-
-
-def resolve_min_seeds(min_seeds: int | None, level: float) -> int:
-    """``min_seeds`` checked, or the default rule of :func:`min_seeds_for_interval`."""
-    if min_seeds is None:
-        return min_seeds_for_interval(level)
-    if min_seeds < 2:
-        raise ValueError(f"min_seeds={min_seeds}: expected at least 2 (a bootstrap needs two values)")
-    return int(min_seeds)
 
 
 def _seeds_note(n: int, needed: int, unit: str) -> str:
