@@ -11,11 +11,13 @@ For each outcome (and each context of the arm keys) it answers, in plain words:
   changed):
 
   - *selection*: ``M`` differs: the policy beats random at the same number of changed routes;
-  - *budget*: ``B`` differs, or ``R`` differs while ``M`` does not: a policy that wins raw but
-    not matched wins by how many routes it changes, not which;
-  - *both*: both of the above;
+  - *both*: ``M`` differs and ``B`` differs (the number of routes replayed matters too);
+  - *budget*: ``R`` differs while ``M`` does not (a policy that wins raw but not matched wins by
+    how many routes it changes, not which), or ``B`` differs while ``M`` is shown within the
+    margin;
   - *neither*: ``B``, ``R`` and ``M`` each shown within the outcome's margin;
-  - otherwise *not determined*, with the seeds the power plan asks for the open question.
+  - otherwise *not determined*, with the seeds the power plan asks for the open question
+    (``M`` first, then ``R``, then ``B``).
 
 Each answer cites the rows it reads (effect, mean, the interval adjusted to the row's family,
 ``p_adj``, family) and uses their ``claim`` only: ``differs`` (``p_adj < alpha``), ``within
@@ -158,7 +160,7 @@ def _policy(budget: Evidence | None, raw: Evidence | None, matched: Evidence | N
     selection = _differs(matched)
     by_count = _differs(raw) and not selection
     by_budget = _differs(budget)
-    if selection and (by_budget or by_count):
+    if selection and by_budget:
         return "both", (f"how many routes are replayed changes it, and which: it {_direction(matched)} it "
                         "beyond random at the same share of changed routes"), (raw, matched, budget)
     if selection:
