@@ -95,7 +95,7 @@ def test_undetermined_names_the_seeds_the_plan_gives_for_the_open_row():
     assert "the budget changes it" in found.sentence and "14 would give 80% power for the observed effect" in found.sentence
     plan = pd.DataFrame({"seeds_for_detect": [6.0, 9.0, math.nan], "detect": [0.002] * 3})
     found = answers(*rows, margin=0.001, plan=plan)["fisher"]
-    assert "no seed count the plan searched gives 80% power for an effect of +0.002" in found.sentence
+    assert "no seed count up to 64 gives 80% power for an effect of +0.002" in found.sentence
 
 
 def test_a_primary_row_is_read_first_then_the_pooled_row_then_the_best_budget():

@@ -43,6 +43,7 @@ from typing import Any, Mapping, Sequence
 import pandas as pd
 
 from ablate.analysis.outcomes import HIGHER_IS_BETTER
+from ablate.analysis.power import MAX_SEEDS
 from ablate.analysis.tables import order_policies
 from ablate.policies.roles import BUDGET_CONTROL, FULL_REPLAY, NO_REPLAY
 
@@ -192,7 +193,7 @@ def _open(row: Evidence | None, margin: float | None) -> str:
     if row.planned:
         size = f"an effect of {_number(row.detect)}" if math.isfinite(row.detect) else "the observed effect"
         text += (f"; {int(row.seeds_needed)} would give 80% power for {size}" if math.isfinite(row.seeds_needed)
-                 else f"; no seed count the plan searched gives 80% power for {size}")
+                 else f"; no seed count up to {MAX_SEEDS} gives 80% power for {size}")
     if not margin:
         text += "; not shown equivalent: no margin"
     return text
