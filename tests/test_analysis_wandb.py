@@ -12,6 +12,7 @@ pytest.importorskip("wandb_workspaces")
 offline_reader = pytest.importorskip("ablate.tracking.offline_reader")
 
 import wandb  # noqa: E402
+from conftest import TINY  # noqa: E402
 
 from ablate.analysis.dashboard import (  # noqa: E402
     build_workspace,
@@ -180,8 +181,6 @@ def test_wandb_leet_shows_an_offline_run_ablate_wrote(offline_env):
     """docs/outputs.md: ``wandb leet <run dir>`` opens a cell's offline run in W&B's terminal viewer, no login."""
     import subprocess
     import sys
-
-    from conftest import TINY
 
     wandb_cli = Path(sys.executable).with_name("wandb")
     if not wandb_cli.exists():
