@@ -176,3 +176,31 @@ def test_the_command_prints_the_verdict_first_and_every_line_traces_to_a_row(tmp
         assert traced_rows(printed, outcome, effects) >= 3
     wide = [line for line in printed.splitlines() if len(line) > 100 and str(tmp_path) not in line]
     assert not wide  # only a line naming a long path may be wider
+
+
+@pytest.mark.slow
+def test_the_verdict_of_a_real_smoke_sweep_reads_its_declared_outcomes_and_traces_to_its_rows(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import TINY
+
+    shrink = [o for o in TINY if not o.startswith("backend.steps")]
+    sweep = subprocess.run([sys.executable, "-m", "ablate", "sweeps=smoke", "policy=none,full,random,mismatch",
+                            "budget=0.5", "seed=range(6)", "backend.steps=8", *shrink, "tracking.mode=disabled"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=1200)
+    assert sweep.returncode == 0, sweep.stdout[-3000:] + sweep.stderr[-3000:]
+    done = subprocess.run([sys.executable, "-m", "ablate.analysis", "runs/smoke", "--reps", "100", "--no-plots"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "100"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = done.stdout
+    # smoke.yaml declares the outcomes and their margins; its first primary question is replay.
+    assert "\nkl_k3_mean (lower is better; margin ±0.001)" in printed
+    assert "\nfinal_reward (higher is better; margin ±0.05)" in printed
+    assert "replay full-none: " in printed and ", primary 1\n" in printed
+    assert "\n  mismatch: " in printed
+    for outcome in ("kl_k3_mean", "final_reward"):
+        effects = pd.read_csv(tmp_path / "runs/smoke/analysis" / f"effects_{outcome}.csv")
+        assert traced_rows(printed, outcome, effects) >= 4  # replay, budget, mismatch raw and matched
+    assert max(len(line) for line in printed.splitlines()) <= 100
