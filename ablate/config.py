@@ -208,10 +208,20 @@ class AnalysisConfig:
     #: ``selection:fisher:random@pooled``), tested by serial gatekeeping before the exploratory
     #: rows; ``ablate-analyze --primary`` replaces them (docs/statistics.md).
     primary: list[str] = field(default_factory=list)
+    #: The outcomes the analysis reports, in order (``ablate-analyze --outcome`` replaces them).
+    outcomes: list[str] = field(default_factory=list)
+    #: Per outcome, the equivalence margin in the outcome's units: the smallest effect that matters,
+    #: and the one a "no effect" claim is tested against (``--margin`` adds to them).
+    margins: dict[str, float] = field(default_factory=dict)
 
     def check(self) -> None:
         require(all(isinstance(text, str) and text for text in self.primary), f"{self.KEY}.primary", self.primary,
                 "a list of effect-row selectors, e.g. [replay, 'selection:fisher:random@pooled']")
+        require(all(isinstance(text, str) and text for text in self.outcomes), f"{self.KEY}.outcomes", self.outcomes,
+                "a list of outcome names, e.g. [kl_k3_mean, final_reward]")
+        for outcome, margin in self.margins.items():
+            require(is_number(margin) and margin > 0, f"{self.KEY}.margins.{outcome}", margin,
+                    "a finite margin > 0 in the outcome's units")
 
 
 @dataclass

@@ -6,7 +6,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ablate.analysis.flags import flag_policies
+from ablate.analysis.flags import flag_policies as flag_table
+
+
+def flag_policies(*args, **kwargs):
+    """The flags indexed by arm, as these tests read them (the table has policy and budget as columns)."""
+    return flag_table(*args, **kwargs).set_index(["policy", "budget"])
 
 NONE = {"final_reward": 0.60, "reward_auc": 0.45, "reward_late_gain": 0.02, "expert_drift_final": 0.30,
         "kl_k3_mean": 8e-3, "extreme_token_frac_mean": 4e-3}
@@ -142,3 +147,29 @@ def test_too_weak_share_has_an_interval_when_most_seeds_give_full_no_reduction()
         flags = flag_policies(frame)
     share, high = flags.loc[("random", 0.05), ["kl_k3_mean_share", "kl_k3_mean_share_high"]]
     assert np.isfinite(high) and share <= high < 0.5
+
+
+def test_the_flags_table_has_policy_and_budget_as_columns_as_its_docs_say():
+    rng = np.random.default_rng(8)
+    frame = flag_frame(rng, planted_arms({("fisher", 0.5): {**FULL, "final_reward": 0.50}}))
+    flags = flag_table(frame)
+    assert list(flags.columns[:4]) == ["policy", "budget", "too_restrictive", "too_weak"]
+    assert isinstance(flags.index, pd.RangeIndex)
+    assert flags.loc[flags["policy"] == "fisher", "too_restrictive"].item()
+    # What a context could reach: 3 arms x 3 restrictive outcomes, 10 seeds.
+    questions, seeds, smallest = flags.attrs["questions"]["too restrictive"]
+    assert (questions, seeds, smallest) == (9, 10, 2 / 2**10)
+
+
+def test_where_no_flag_can_be_reached_the_flags_section_says_so_and_why():
+    from ablate.analysis.printer import flags_text
+
+    rng = np.random.default_rng(9)
+    healthy = {("random", b): {**FULL} for b in (0.1, 0.25, 0.5)}
+    text = " ".join(flags_text(flag_table(flag_frame(rng, planted_arms(healthy), n_seeds=6))))
+    # 6 seeds: the smallest p is 2/64; Holm over 5 arms x 3 outcomes makes it 0.47, over 4 weak questions 0.12.
+    assert text.startswith("no flag can be reached at these seeds (6 paired with none)")
+    assert "a 'too restrictive' question 0.47 (15 questions, each at best p 0.031)" in text
+    assert "a 'too weak' question 0.12 (4 questions" in text
+    reachable = " ".join(flags_text(flag_table(flag_frame(rng, planted_arms(healthy), n_seeds=10))))
+    assert reachable.startswith("no arm flagged as too restrictive or too weak")

@@ -9,7 +9,15 @@ from ablate.analysis.families import parse_selector
 from ablate.analysis.paired import paired_effect
 from ablate.analysis.power import min_detectable_effect, plan, power, seeds_needed
 from ablate.analysis.settings import AnalysisSettings
-from ablate.analysis.signflip import SignFlip, rejection_rate, sign_flip_interval, t_interval, tost_pvalue
+from ablate.analysis.signflip import SignFlip, rejection_rate, t_interval
+
+
+def sign_flip_interval(d, *, level=0.95):
+    return SignFlip(d).interval(1.0 - level)
+
+
+def tost_pvalue(d, margin):
+    return SignFlip(d).tost(margin)
 from ablate.analysis.stats import adjust_pvalues, interval_alphas, sign_flip_pvalue
 from ablate.analysis.tables import effects, summarize
 from tests.test_analysis_tables import planted_frame
@@ -185,7 +193,12 @@ def test_plan_reports_mde_and_seeds_per_row():
 
 
 def test_e_process_by_hand_and_its_error_under_repeated_looks():
-    from ablate.analysis.sequential import BETS, confidence_sequence, e_values, rejects_at
+    from ablate.analysis.sequential import BETS, confidence_sequence, e_values
+
+    def rejects_at(d, alpha=0.05):
+        """The first seed count at which the e-value reaches 1 / alpha, or None."""
+        crossed = np.flatnonzero(e_values(d) >= 1.0 / alpha)
+        return int(crossed[0]) + 1 if crossed.size else None
 
     # Six agreeing seeds of equal size: every bet wins its stake each time.
     e = e_values(np.ones(6))

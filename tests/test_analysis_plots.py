@@ -57,3 +57,26 @@ def test_every_figure_is_written_with_a_panel_per_context(tmp_path):
     assert plots.policy_color("mismatch").lower() in svg.lower()
     with pytest.raises(KeyError, match="effective_budget_mean"):
         plots.plot_effective_budget(cells.drop(columns="effective_budget_mean"), tmp_path / "x", outcome="kl_k3_mean")
+
+
+def test_a_policy_declares_its_look_and_one_that_does_not_gets_one_from_its_name(monkeypatch):
+    from ablate.policies import FisherReplay, base, policy_look, register_policy
+
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))  # the policies below stay in this test
+
+    @register_policy("looks_declared")
+    class Declared(FisherReplay):
+        color = "#123456"
+        marker = "p"
+
+    @register_policy("looks_inherited")
+    class Inherited(FisherReplay):
+        """Declares nothing: fisher's vermillion is not its own."""
+
+    assert plots.policy_color("looks_declared") == "#123456" and plots.policy_marker("looks_declared") == "p"
+    assert plots.policy_color("looks_declared[tau=1.0]") == "#123456"
+    inherited = policy_look("looks_inherited")
+    assert not inherited.declared and inherited.color != policy_look("fisher").color
+    assert inherited == policy_look("looks_inherited")  # the same in every sweep: from the name only
+    assert plots.policy_color("looks_inherited") in plots.OTHER_COLORS
+    assert policy_look("not_installed_here").color in plots.OTHER_COLORS

@@ -67,3 +67,27 @@ def test_report_renders_offline_in_headless_chromium(report, tmp_path):
     # Not blank: text and plots put dark pixels on the white page, in many rows.
     dark_rows = np.count_nonzero((pixels.mean(axis=2) < 0.5).any(axis=1))
     assert dark_rows > 300
+
+
+def test_report_leads_with_the_verdict_and_holds_every_arm_step_by_step(report):
+    text = report.read_text()
+    assert text.index("<h2>Verdict: budget or selection?</h2>") < text.index("<table")
+    assert "<b>replay: " in text and "<b>fisher: " in text  # the answers the command prints
+    assert text.index('alt="steps"') > text.index("<h2>Every arm step by step</h2>")
+
+
+# Opens every folded section and records the page's width at the window's width.
+WIDTH = ("<script>window.addEventListener('load', () => { document.querySelectorAll('details').forEach(d => "
+         "d.open = true); document.body.setAttribute('data-width', document.documentElement.scrollWidth + ' ' + "
+         "window.innerWidth); });</script>")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs chromium (apt-get install -y chromium)")
+def test_report_fits_a_1280_pixel_window_without_a_horizontal_scroll_bar(report, tmp_path):
+    probed = tmp_path / "width.html"
+    probed.write_text(report.read_text().replace("</body>", WIDTH + "</body>"))
+    dom = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1280,2400",
+                          "--virtual-time-budget=5000", "--dump-dom", probed.as_uri()],
+                         capture_output=True, text=True, timeout=120)
+    width, window = map(int, dom.stdout.split('data-width="')[1].split('"')[0].split())
+    assert window == 1280 and width <= 1280, (width, window)

@@ -13,11 +13,18 @@ from ablate.analysis.stats import (
     min_achievable_pvalue,
     min_seeds_for_interval,
     min_seeds_for_sign_flip,
-    paired_bootstrap_ci,
     probability_of_improvement,
     ratio_of_means_ci,
     sign_flip_pvalue,
 )
+
+
+def paired_bootstrap_ci(a, b, *, rng):
+    """The percentile bootstrap interval of an effect row (ablate.analysis.paired)."""
+    from ablate.analysis.paired import paired_effect
+
+    numbers = paired_effect(a, b, rng=rng, method="percentile", min_seeds=2)
+    return numbers["ci_low"], numbers["ci_high"]
 
 
 def test_iqm_hand_checkable():

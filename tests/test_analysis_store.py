@@ -49,8 +49,10 @@ def _records(policy, budget, seed):
     })
 
 
-def write_cell(sweep_dir, policy, budget, seed, status="complete", records=True, backend=None, schema="1.0"):
-    """A cell as the runner writes it; ``backend`` overrides keys of its resolved config."""
+def write_cell(sweep_dir, policy, budget, seed, status="complete", records=True, backend=None, schema="1.0",
+               analysis=None):
+    """A cell as the runner writes it; ``backend`` overrides keys of its resolved config, ``analysis`` is the
+    sweep file's analysis block."""
     backend = {"name": "synthetic", "steps": STEPS, "router_noise": 0.07, **(backend or {})}
     name = f"{policy}-b{budget:g}-s{seed}"
     cell_id = f"{zlib.crc32(json.dumps([name, backend, schema]).encode()):08x}" * 2
@@ -64,7 +66,7 @@ def write_cell(sweep_dir, policy, budget, seed, status="complete", records=True,
         "backend": backend, "policy": {"name": policy, "per_layer": False},
         "tracking": {"mode": "offline", "tags": []}, "budget": budget, "seed": seed, "sweep": sweep_dir.name,
         "store_dir": str(sweep_dir.parent), "objective": "final_reward", "trial": None,
-        "schema_version": schema,
+        "schema_version": schema, **({"analysis": analysis} if analysis else {}),
     }))
     (cell_dir / "status.json").write_text(json.dumps({
         "status": status, "error": "boom" if status == "failed" else None, "traceback": None,

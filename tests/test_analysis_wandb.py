@@ -12,6 +12,7 @@ pytest.importorskip("wandb_workspaces")
 offline_reader = pytest.importorskip("ablate.tracking.offline_reader")
 
 import wandb  # noqa: E402
+from conftest import TINY  # noqa: E402
 
 from ablate.analysis.dashboard import (  # noqa: E402
     build_workspace,
@@ -140,3 +141,58 @@ def test_dashboard_from_the_cli_twice_leaves_one_summary_run(offline_env, capsys
     grouping = json.loads((out / "workspace.json").read_text())["spec"]["section"]["runSets"][0]["grouping"]
     assert {"section": "config", "name": "backend.router_noise.value"} in grouping
     assert "workspace not saved: pass --entity" in capsys.readouterr().out
+
+
+def _screen_of(command: list[str], seconds: float = 8.0) -> str:
+    """What a terminal program shows in a 160x50 pseudo-terminal within ``seconds``, then ``q`` to quit."""
+    import fcntl
+    import os
+    import pty
+    import re
+    import select
+    import struct
+    import termios
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the program, on the pseudo-terminal
+        os.environ["TERM"] = "xterm-256color"
+        os.execvp(command[0], command)
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))
+    shown, deadline = b"", time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if select.select([fd], [], [], 0.2)[0]:
+            try:
+                shown += os.read(fd, 1 << 16)
+            except OSError:
+                break
+    os.write(fd, b"q")
+    for _ in range(50):
+        if os.waitpid(pid, os.WNOHANG)[0]:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    os.close(fd)
+    return re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", shown.decode(errors="replace"))
+
+
+def test_wandb_leet_shows_an_offline_run_ablate_wrote(offline_env):
+    """docs/outputs.md: ``wandb leet <run dir>`` opens a cell's offline run in W&B's terminal viewer, no login."""
+    import subprocess
+    import sys
+
+    wandb_cli = Path(sys.executable).with_name("wandb")
+    if not wandb_cli.exists():
+        pytest.skip("no wandb command beside this python")
+    done = subprocess.run([sys.executable, "-m", "ablate", "policy=fisher", "budget=0.25", "seed=3", *TINY,
+                           f"store_dir={offline_env / 'runs'}"], capture_output=True, text=True, timeout=300,
+                          cwd=offline_env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (run_dir,) = (offline_env / "runs" / "adhoc").glob("fisher-b0.25-s3-*/wandb/offline-run-*")
+    _wait_complete(run_dir)
+    screen = _screen_of([str(wandb_cli), "leet", str(run_dir)])
+    assert "final_reward" in screen and "kl_k3_mean" in screen, screen[-2000:]  # the summary ablate logged
+    summary = subprocess.run([str(wandb_cli), "leet", "inspect", "--summary", str(run_dir)], capture_output=True,
+                             text=True, timeout=60)
+    assert summary.returncode == 0 and "final_reward" in summary.stdout, summary.stderr[-2000:]

@@ -222,13 +222,16 @@ def test_arm_names_round_trip_in_both_spellings():
 
 def test_policies_of_your_own_get_distinct_colours_in_one_figure():
     pytest.importorskip("matplotlib")
-    from ablate.analysis.plots import POLICY_COLORS, policy_color
+    from ablate.analysis.plots import policy_color
+    from ablate.policies import policy_look
+
+    builtin = {policy_look(name).color for name in ("none", "full", "random", "uniform", "fisher", "mismatch")}
 
     mine = ["margin", "last_layers", "depth", "near_tie", "other"]
     shown = ["random", "none", *mine, "margin[per_layer=True]"]
     colours = [policy_color(p, shown) for p in mine]
     assert len(set(colours)) == len(mine)
-    assert not set(colours) & set(POLICY_COLORS.values())
+    assert not set(colours) & builtin
     assert policy_color("margin[per_layer=True]", shown) == policy_color("margin", shown)
     # Alone in a figure, a policy keeps the colour its name hashes to.
     assert policy_color("margin") == policy_color("margin", ["margin", "random"])

@@ -1,7 +1,7 @@
 """Analysis of a sweep: outcomes per cell, summary tables, effects with intervals, plots.
 
-``load_runs`` -> ``summarize`` / ``effects`` / ``flag_policies`` is the main path (see
-``ablate-analyze`` for the command-line version). Submodules are imported on first use, so
+``load_runs`` -> ``summarize`` / ``effects`` / ``flag_policies`` is the main path, and
+``analyse`` computes all of them and the verdict (``read_verdict``) as ``ablate-analyze`` does. Submodules are imported on first use, so
 ``import ablate.analysis`` stays light: scipy, matplotlib and W&B code load only when asked for,
 and without the ``analysis`` extra they fail with a message naming it (``ablate.analysis.extras``).
 """
@@ -19,6 +19,8 @@ _EXPORTS = {
     "cell_outcomes": "ablate.outcomes",
     "OUTCOME_NAMES": "ablate.outcomes",
     "flag_policies": "ablate.analysis.flags",
+    "analyse": "ablate.analysis.compute",
+    "read_verdict": "ablate.analysis.verdict",
     "export_table": "ablate.analysis.export",
     "AnalysisSettings": "ablate.analysis.settings",
     "paired_effect": "ablate.analysis.paired",

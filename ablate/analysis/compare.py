@@ -67,7 +67,7 @@ def compare_values(
     ``true`` finds a boolean ``True``. Columns: the other arm keys, ``compare`` (``"key: a - b"``),
     then the effect table's columns (``effect`` is ``"compare"``, ``baseline`` is ``key=b``).
     """
-    settings = replace(AnalysisSettings.of(settings, options), primary=())
+    settings = replace(AnalysisSettings.of(settings, options, df), primary=())
     by = settings.by
     if key == "policy":
         missing = {a, b} - set(df["policy"])

@@ -25,7 +25,8 @@ from typing import Any, Literal, Sequence
 import pandas as pd
 
 from ablate.analysis.extras import require
-from ablate.store import atomic_write
+from ablate.analysis.writing import naming
+from ablate.store import atomic_write, make_directory
 
 OUTCOME_KEYS: tuple[str, ...] = ("train/reward", "train/loss", "train/entropy", "train/grad_norm", "train/clip_frac")
 ROUTING_KEYS: tuple[str, ...] = (
@@ -86,7 +87,8 @@ def workspace_spec(workspace: Any) -> dict[str, Any]:
 def write_workspace_spec(workspace: Any, path: str | Path) -> Path:
     """Write the workspace's view spec to ``path``: YAML for ``.yaml``/``.yml``, else JSON."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    with naming(path.parent):
+        make_directory(path.parent, "the analysis output folder")
     spec = workspace_spec(workspace)
     if path.suffix in (".yaml", ".yml"):
         import yaml
@@ -94,7 +96,8 @@ def write_workspace_spec(workspace: Any, path: str | Path) -> Path:
         text = yaml.safe_dump(spec, sort_keys=False)
     else:
         text = json.dumps(spec, indent=2) + "\n"
-    atomic_write(path, lambda tmp: tmp.write_text(text))
+    with naming(path):
+        atomic_write(path, lambda tmp: tmp.write_text(text))
     return path
 
 

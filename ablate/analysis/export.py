@@ -3,11 +3,13 @@
 Markdown and LaTeX are rendered here (plain pipe tables; a booktabs ``tabular``) so that
 neither ``tabulate`` nor ``jinja2`` is needed. Index levels become ordinary leading columns.
 Every file is written as the run store writes its own (a temporary file, then a rename), so an
-analysis killed midway leaves each file whole, old or new, never empty or half written.
+analysis killed midway leaves each file whole, old or new, never empty or half written; a write
+that fails is one :class:`~ablate.analysis.writing.OutputError` naming the file.
 """
 
 from __future__ import annotations
 
+import html
 import math
 from pathlib import Path
 from typing import Iterable
@@ -15,7 +17,8 @@ from typing import Iterable
 import pandas as pd
 
 from ablate.budget import budget_label
-from ablate.store import atomic_write
+from ablate.analysis.writing import naming
+from ablate.store import atomic_write, make_directory
 
 FORMATS: dict[str, str] = {"csv": ".csv", "parquet": ".parquet", "md": ".md", "latex": ".tex"}
 
@@ -27,29 +30,37 @@ def export_table(
 ) -> list[Path]:
     """Write ``table`` to ``<path_stem>.<ext>`` for each format; returns the written paths."""
     stem = Path(path_stem)
-    stem.parent.mkdir(parents=True, exist_ok=True)
+    with naming(stem.parent):
+        make_directory(stem.parent, "the output folder")
     flat = _flat(table)
     written = []
     for fmt in formats:
         if fmt not in FORMATS:
             raise ValueError(f"format={fmt!r}: expected one of {sorted(FORMATS)}")
         path = stem.with_name(stem.name + FORMATS[fmt])
-        if fmt == "csv":
-            atomic_write(path, lambda tmp: flat.to_csv(tmp, index=False))
-        elif fmt == "parquet":
-            atomic_write(path, lambda tmp: flat.to_parquet(tmp, index=False))
-        else:
-            text = to_markdown(table) if fmt == "md" else to_latex(table)
-            atomic_write(path, lambda tmp: tmp.write_text(text + "\n"))
+        with naming(path):
+            if fmt == "csv":
+                atomic_write(path, lambda tmp: flat.to_csv(tmp, index=False))
+            elif fmt == "parquet":
+                atomic_write(path, lambda tmp: flat.to_parquet(tmp, index=False))
+            else:
+                text = to_markdown(table) if fmt == "md" else to_latex(table)
+                atomic_write(path, lambda tmp: tmp.write_text(text + "\n"))
         written.append(path)
     return written
 
 
-def to_markdown(table: pd.DataFrame, digits: int = 4) -> str:
-    """A GitHub pipe table; floats with ``digits`` significant digits, NaN as an empty cell."""
+def to_markdown(table: pd.DataFrame, digits: int = 4, *, escape_html: bool = True) -> str:
+    """A GitHub pipe table; floats with ``digits`` significant digits, NaN as an empty cell.
+
+    ``escape_html`` (the default, for files) writes ``<``, ``>`` and ``&`` as entities: results
+    pages are built from these files, and a name such as ``<script>`` must stay text there. A
+    terminal shows the table as it is (``escape_html=False``).
+    """
     flat = _flat(table)
-    header = [str(c) for c in flat.columns]
-    body = [[_cell(v, digits, c).replace("|", "\\|") for c, v in zip(flat.columns, row)]
+    escape = (lambda text: html.escape(text, quote=False)) if escape_html else (lambda text: text)
+    header = [escape(str(c)) for c in flat.columns]
+    body = [[escape(_cell(v, digits, c)).replace("|", "\\|") for c, v in zip(flat.columns, row)]
             for row in flat.itertuples(index=False)]
     align = ["---:" if pd.api.types.is_numeric_dtype(flat[c]) else ":---" for c in flat.columns]
     lines = [header, align, *body]

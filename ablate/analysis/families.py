@@ -111,7 +111,7 @@ def assign_families(table: pd.DataFrame, keys: Sequence[str], settings: Analysis
     family = default_families(table, keys)
     unassigned = pd.Series(True, index=table.index)
     gates: list[tuple[str, pd.Series]] = []
-    for k, text in enumerate(settings.primary, start=1):
+    for k, text in enumerate(settings.primary or (), start=1):
         selector = parse_selector(text)
         members = selector.matches(table) & unassigned
         unassigned &= ~members

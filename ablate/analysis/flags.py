@@ -54,7 +54,7 @@ from ablate.outcomes import HIGHER_IS_BETTER
 from ablate.analysis.paired import paired_interval
 from ablate.analysis.settings import AnalysisSettings
 from ablate.analysis.signflip import SignFlip
-from ablate.analysis.stats import adjust_pvalues, ratio_of_means_ci, sign_flip_pvalue
+from ablate.analysis.stats import adjust_pvalues, min_achievable_pvalue, ratio_of_means_ci, sign_flip_pvalue
 from ablate.analysis.tables import (
     arm_keys,
     arm_seeds,
@@ -87,14 +87,17 @@ def flag_policies(
     ``<o>_vs_none_high`` (mean difference and interval upper bound), per weak outcome
     ``<o>_share`` and ``<o>_share_high``, ``restrictive_p_adj`` (the smallest adjusted p of the
     arm's restrictive questions) and ``weak_p_adj``, ``reason`` (what fired, with the numbers)
-    and ``note`` (what could not be judged and why). Outcomes missing from the frame are skipped.
+    and ``note`` (what could not be judged and why), one row per arm in the canonical order.
+    Outcomes missing from the frame are skipped. ``attrs["questions"]`` holds, per kind of flag,
+    the largest family of one context and the most seeds an arm was judged on: with
+    :func:`smallest_p_adj` they say whether any flag could be reached.
     """
     if restrictive_margin < 0 or not 0.0 < weak_share <= 1.0:
         raise ValueError(
             f"restrictive_margin={restrictive_margin}, weak_share={weak_share}: expected a margin >= 0 "
             "and a share in (0, 1]"
         )
-    settings = AnalysisSettings.of(settings, options)
+    settings = AnalysisSettings.of(settings, options, df)
     level, adjust = settings.level, settings.adjust
     restrictive = [o for o in restrictive_outcomes if o in df.columns]
     weak = [o for o in weak_outcomes if o in df.columns]
@@ -105,6 +108,9 @@ def flag_policies(
     judge = _Judge(settings)
     alpha = 1.0 - level
     rows = []
+    # Per kind of flag, the largest family of one context and the most seeds a judged arm had:
+    # what decides whether any flag can be reached at all (smallest_p_adj).
+    questions = {"too restrictive": (0, 0, 1.0), "too weak": (0, 0, 1.0)}
     for prefix, part in contexts(df, keys):
         arms = {outcome: arm_values(part, outcome) for outcome in (*restrictive, *weak)}
         judged = []
@@ -129,9 +135,14 @@ def flag_policies(
             weak_p = [v["p"] for v in weak_verdicts]
             weak_arm_p = max(weak_p) if weak_p and all(np.isfinite(weak_p)) else math.nan
             judged.append((row, restrictive_verdicts, weak_verdicts, weak_arm_p))
-        restrictive_adj = iter(adjust_pvalues(
-            np.array([v["p"] for _, verdicts, _, _ in judged for v in verdicts]), adjust))
-        weak_adj = iter(adjust_pvalues(np.array([p for *_, p in judged]), adjust))
+        restrictive_p = np.array([v["p"] for _, verdicts, _, _ in judged for v in verdicts])
+        weak_ps = np.array([p for *_, p in judged])
+        # A weak outcome with a margin is judged by TOST, whose smallest p is half the two-sided one.
+        weak_two_sided = not weak or any(outcome not in settings.margins for outcome in weak)
+        _count_questions(questions, judged, {"too restrictive": (restrictive_p, True),
+                                             "too weak": (weak_ps, weak_two_sided)})
+        restrictive_adj = iter(adjust_pvalues(restrictive_p, adjust))
+        weak_adj = iter(adjust_pvalues(weak_ps, adjust))
         for row, restrictive_verdicts, weak_verdicts, weak_arm_p in judged:
             fired, notes = [], []
             arm_adj = []
@@ -159,10 +170,34 @@ def flag_policies(
         return table
     first = [*keys, "policy", "budget", "too_restrictive", "too_weak", "n_seeds"]
     table = table[first + [c for c in table.columns if c not in first]]
-    table = table.iloc[canonical_order(table, keys)].set_index([*keys, "policy", "budget"])
+    table = table.iloc[canonical_order(table, keys)].reset_index(drop=True)
     table.attrs.update(level=level, min_seeds=needed, restrictive_margin=restrictive_margin, weak_share=weak_share,
-                       adjust=adjust)
+                       adjust=adjust, by=keys, questions=questions)
     return table
+
+
+def smallest_p_adj(questions: int, smallest_p: float, adjust: str) -> float:
+    """The smallest adjusted p a family of ``questions`` tests, each at best ``smallest_p``, can reach.
+
+    Holm multiplies the smallest p by the family's size; BH and no adjustment leave it. A flag
+    needs it below ``1 - level``; where it is not, no data of these seeds can raise that flag,
+    and the command line says so instead of "no arm flagged".
+    """
+    return min(1.0, questions * smallest_p) if adjust == "holm" else smallest_p
+
+
+def _count_questions(questions: dict[str, tuple[int, int, float]], judged: list,
+                     tests: dict[str, tuple[np.ndarray, bool]]) -> None:
+    """Record one context's family sizes, seed counts and smallest p in ``questions`` (the largest
+    family, the most seeds and the smallest p so far): ``tests`` maps a kind of flag to its
+    p-values and whether they are two-sided."""
+    seeds = max((row["n_seeds"] for row, *_ in judged), default=0)
+    for kind, (p, two_sided) in tests.items():
+        m = int(np.isfinite(p).sum())
+        if m:
+            smallest = min_achievable_pvalue(seeds) / (1.0 if two_sided else 2.0)
+            m_so_far, seeds_so_far, p_so_far = questions[kind]
+            questions[kind] = (max(m_so_far, m), max(seeds_so_far, seeds), min(p_so_far, smallest))
 
 
 class _Judge:

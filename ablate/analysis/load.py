@@ -65,6 +65,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from ablate.analysis.declared import declared_analysis
 from ablate.outcomes import cell_outcomes
 from ablate.arms import arm_name
 from ablate.store import CellState, StoreError, cell_directories, inspect_cell, read_identity, read_records
@@ -146,6 +147,7 @@ def load_runs(
     frame.attrs["determined_keys"] = determined
     frame.attrs["where"] = {key: _plain(value) for key, value in (where or {}).items()}
     frame.attrs["probes"] = _probe_table(cells)
+    frame.attrs["analysis"] = declared_analysis((cell.meta.get("path", cell.meta.get("name")), cell.config) for cell in cells)
     _report_excluded(excluded, corrupt, str(path))
     _report_schema_versions(cells, str(path))
     return frame

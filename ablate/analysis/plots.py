@@ -12,7 +12,7 @@ budget (``backend.router_noise``) gets one panel per value of those keys.
 
 from __future__ import annotations
 
-import zlib
+import textwrap
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -28,46 +28,46 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from ablate.analysis.tables import FIXED_BUDGET_POLICIES, order_policies  # noqa: E402
 from ablate.arms import arm_policy  # noqa: E402
-from ablate.policies.roles import BUDGET_CONTROL, FULL_REPLAY, NO_REPLAY  # noqa: E402
-from ablate.store import atomic_write  # noqa: E402
+from ablate.policies import policy_look  # noqa: E402
+from ablate.policies.base import DERIVED_COLORS  # noqa: E402
+from ablate.policies.roles import BUDGET_CONTROL, FULL_REPLAY, NO_REPLAY, SELECTION_BASELINES  # noqa: E402
+from ablate.analysis.writing import naming  # noqa: E402
+from ablate.store import atomic_write, make_directory  # noqa: E402
 
 FORMATS: tuple[str, ...] = ("png", "svg")
 STEP_KEYS: tuple[str, ...] = ("train/reward", "mismatch/kl_k3")
 LINE_STYLES: tuple[Any, ...] = ("-", "--", ":", "-.", (0, (5, 1, 1, 1)), (0, (1, 3)))
-#: Okabe-Ito colours (distinguishable with the common colour-vision deficiencies), one per policy.
-POLICY_COLORS: dict[str, str] = {
-    "none": "#000000",
-    "full": "#CC79A7",
-    "random": "#0072B2",
-    "uniform": "#56B4E9",
-    "fisher": "#D55E00",
-    "mismatch": "#009E73",
-}
-POLICY_MARKERS: dict[str, str] = {"none": "o", "full": "o", "random": "o", "uniform": "s", "fisher": "^", "mismatch": "D"}
 #: Selection effects: colour is the policy, the marker its baseline (hollow squares: matched).
-BASELINE_MARKERS: dict[str, str] = {"random": "o", "uniform": "D"}
-#: Policies of your own get a colour from this list: the one a hash of their name picks, so that
-#: it is the same in every sweep, unless another such policy of the same figure took it first.
-OTHER_COLORS: tuple[str, ...] = ("#E69F00", "#8C564B", "#7F7F7F", "#BCBD22", "#17BECF", "#9467BD", "#8B0000")
+BASELINE_MARKERS: dict[str, str] = dict(zip(SELECTION_BASELINES, ("o", "D")))
+#: The colours a policy that declares none takes (ablate.policies.base.DERIVED_COLORS).
+OTHER_COLORS: tuple[str, ...] = DERIVED_COLORS
 
 
 def policy_color(policy: str, among: Iterable[str] = ()) -> str:
     """The colour of a policy (or of a settings variant ``name[...]``: its policy's colour).
 
-    A policy outside the built-ins gets a colour no other such policy in ``among`` (the
-    policies of the same figure) has: they take the hashed slots in name order, each moving on
-    to the next free colour when its slot is taken (colours repeat only past seven of them).
+    A policy's class declares its colour (the ``color`` trait; the built-ins' are Okabe-Ito,
+    safe for the common colour-vision deficiencies). One that declares none gets the colour a
+    hash of its name picks, and no other such policy in ``among`` (the policies of the same
+    figure) gets the same: they take the hashed slots in name order, each moving on to the next
+    free colour when its slot is taken (colours repeat only past seven of them).
     """
     name = arm_policy(policy)
-    if name in POLICY_COLORS:
-        return POLICY_COLORS[name]
-    others = sorted({arm_policy(p) for p in among} - set(POLICY_COLORS) | {name})
+    look = policy_look(name)
+    if look.declared:
+        return look.color
+    others = sorted({arm_policy(p) for p in among if not policy_look(arm_policy(p)).declared} | {name})
     taken: dict[str, str] = {}
     for other in others:
-        slot = zlib.crc32(other.encode()) % len(OTHER_COLORS)
+        slot = OTHER_COLORS.index(policy_look(other).color)
         free = [OTHER_COLORS[(slot + i) % len(OTHER_COLORS)] for i in range(len(OTHER_COLORS))]
         taken[other] = next((c for c in free if c not in taken.values()), free[0])
     return taken[name]
+
+
+def policy_marker(policy: str) -> str:
+    """The marker of a policy (a settings variant: its policy's), its class's ``marker`` trait."""
+    return policy_look(arm_policy(policy)).marker
 
 
 def policy_style(policy: str, policies: Iterable[str]) -> Any:
@@ -112,7 +112,7 @@ def plot_budget_response(summary: pd.DataFrame, path_stem: str | Path, *, outcom
             errors = np.vstack([rows["mean"] - rows["ci_low"], rows["ci_high"] - rows["mean"]])
             ax.errorbar(x[has_ci], rows["mean"].to_numpy()[has_ci], yerr=errors[:, has_ci], fmt="none",
                         ecolor=color, capsize=3, linewidth=1.0)
-            marker = POLICY_MARKERS.get(arm_policy(policy), "o")
+            marker = policy_marker(policy)
             ax.scatter(x, rows["mean"], color=np.where(has_ci[:, None], [_rgba(color)], [(1, 1, 1, 1)]),
                        edgecolors=color, marker=marker, zorder=3, s=28)
         ax.set_xlabel("budget (fraction of valid routes replayed)")
@@ -120,8 +120,9 @@ def plot_budget_response(summary: pd.DataFrame, path_stem: str | Path, *, outcom
         ax.set_title(title, fontsize="small")
         ax.legend(fontsize="x-small")
     level = summary.attrs.get("level")
-    fig.suptitle(f"{outcome} vs budget" + (f" (mean over seeds, {level:.0%} bootstrap CI; hollow: too few seeds)"
-                                           if level else ""), fontsize="medium")
+    interval = summary.attrs.get("interval", "t")
+    _title(fig, f"{outcome} vs budget" + (f" (mean over seeds; bars and band: {level:.0%} {interval} interval of "
+                                          "the mean; hollow: too few seeds for one)" if level else " (mean over seeds)"))
     return _save(fig, path_stem)
 
 
@@ -162,8 +163,11 @@ def plot_selection_effects(effects_table: pd.DataFrame, path_stem: str | Path, *
             ax.legend(fontsize="x-small")
         else:
             ax.text(0.5, 0.5, "no selection comparisons in this sweep", ha="center", transform=ax.transAxes)
-    fig.suptitle("selection effect (paired by seed; hollow: against random at the same effective budget)",
-                 fontsize="medium")
+    level = effects_table.attrs.get("level", 0.95)
+    interval = {"exact": "inverting the exact sign-flip test", "t": "Student's t"}.get(
+        effects_table.attrs.get("method", "exact"), f"{effects_table.attrs.get('method')} bootstrap")
+    _title(fig, f"selection effect (paired by seed; bars: {level:.0%} interval {interval}, unadjusted; hollow: "
+                "against random at the same effective budget)")
     return _save(fig, path_stem)
 
 
@@ -199,7 +203,7 @@ def plot_effective_budget(
             ax.scatter(seeds[effective], seeds[outcome], color=color, alpha=0.25, s=10, linewidths=0)
             mine = arms[arms["policy"] == policy]
             ax.errorbar(mine["e"], mine["y"], xerr=mine["e_sem"].fillna(0), yerr=mine["y_sem"].fillna(0),
-                        fmt=POLICY_MARKERS.get(arm_policy(policy), "o"), color=color, capsize=2,
+                        fmt=policy_marker(policy), color=color, capsize=2,
                         linestyle="none", label=policy,
                         markerfacecolor="white" if policy_style(policy, policies) != "-" else color)
             if policy not in FIXED_BUDGET_POLICIES:
@@ -210,7 +214,8 @@ def plot_effective_budget(
         ax.set_ylabel(outcome)
         ax.set_title(title, fontsize="small")
         ax.legend(fontsize="x-small")
-    fig.suptitle(f"{outcome} vs effective budget (arm means, 1 s.e.; labels: budget)", fontsize="medium")
+    _title(fig, f"{outcome} vs effective budget (arm means; bars: 1 standard error on each axis, no "
+                "confidence interval; labels: budget)")
     return _save(fig, path_stem)
 
 
@@ -221,19 +226,22 @@ def plot_step_curves(
     keys: Sequence[str] = STEP_KEYS,
     by: Sequence[str] = (),
     smoothing: float = 0.1,
+    level: float = 0.95,
 ) -> list[Path]:
-    """Per-step curves of ``keys``: one panel per key and budget (rows: key and context).
+    """Per-step curves of ``keys`` (the reward and the mismatch): one panel per key and budget.
 
-    Each panel holds every policy at that budget plus ``none`` and ``full`` as references:
-    the mean over seeds, smoothed by a centred moving average over ``smoothing`` of the steps
-    (at least 1 step), drawn over the raw mean curve (faint). ``steps`` is
-    ``load_runs(..., per_step=True)``.
+    Each panel holds every policy at that budget plus ``none`` and ``full`` as references, so
+    every arm is drawn: the mean over seeds, smoothed by a centred moving average over
+    ``smoothing`` of the steps (at least 1 step), over the raw mean (faint), in a band: at each
+    step the ``level`` Student's t interval of the mean over seeds (pointwise, smoothed alike;
+    none where an arm has one seed). ``steps`` is ``load_runs(..., per_step=True)``.
     """
     keys = [k for k in keys if k in steps.columns]
     if not keys or steps.empty:
         fig = _figure()
         fig.add_subplot().text(0.5, 0.5, f"none of {list(STEP_KEYS)} were logged", ha="center")
         return _save(fig, path_stem)
+    t = require("scipy.stats", "the step curves' intervals").t
     contexts = _contexts(steps, list(by))
     budgeted = steps.loc[~steps["policy"].isin(FIXED_BUDGET_POLICIES), "budget"]
     budgets = sorted(budgeted.unique()) or [None]
@@ -244,23 +252,36 @@ def plot_step_curves(
     policies = list(steps["policy"].unique())
     for i_key, key in enumerate(keys):
         for i_ctx, (title, part) in enumerate(contexts):
-            means = part.groupby(["policy", "budget", "step"])[key].mean().reset_index()
+            per_step = part.groupby(["policy", "budget", "step"])[key].agg(["mean", "std", "count"]).reset_index()
+            count = per_step["count"].to_numpy(dtype=float)
+            half = np.where(count > 1, t.ppf(0.5 + level / 2, np.maximum(count - 1, 1)) * per_step["std"]
+                            / np.sqrt(count), np.nan)
+            per_step["low"], per_step["high"] = per_step["mean"] - half, per_step["mean"] + half
             for i_budget, budget in enumerate(budgets):
                 ax = axes[i_key * len(contexts) + i_ctx, i_budget]
-                shown = means[means["policy"].isin(FIXED_BUDGET_POLICIES) | (means["budget"] == budget)]
+                shown = per_step[per_step["policy"].isin(FIXED_BUDGET_POLICIES) | (per_step["budget"] == budget)]
                 for policy in order_policies(shown["policy"].unique()):
                     curve = shown[shown["policy"] == policy].sort_values("step")
                     color, style = policy_color(policy, policies), policy_style(policy, policies)
-                    ax.plot(curve["step"], curve[key], color=color, alpha=0.2, linewidth=0.7, linestyle=style)
-                    smooth = curve[key].rolling(window, center=True, min_periods=1).mean()
-                    ax.plot(curve["step"], smooth, color=color, linewidth=1.5, linestyle=style, label=policy)
+                    smooth = {column: curve[column].rolling(window, center=True, min_periods=1).mean()
+                              for column in ("mean", "low", "high")}
+                    ax.fill_between(curve["step"], smooth["low"], smooth["high"], color=color, alpha=0.12,
+                                    linewidth=0)
+                    ax.plot(curve["step"], curve["mean"], color=color, alpha=0.2, linewidth=0.7, linestyle=style)
+                    ax.plot(curve["step"], smooth["mean"], color=color, linewidth=1.5, linestyle=style, label=policy)
                 ax.set_title(" ".join(part for part in (title, "" if budget is None else f"b={budget:g}") if part),
                              fontsize="small")
                 ax.set_xlabel("step")
                 ax.set_ylabel(key)
                 ax.legend(fontsize="xx-small")
-    fig.suptitle(f"mean over seeds; bold: moving average over {window} step(s), faint: raw", fontsize="medium")
+    _title(fig, f"mean over seeds; bold: moving average over {window} step(s), faint: raw; band: {level:.0%} "
+                "t interval of the mean over seeds at each step (pointwise), smoothed alike")
     return _save(fig, path_stem)
+
+
+def _title(fig: Figure, text: str) -> None:
+    """The figure's title, wrapped to its width (about 13 characters an inch at this size), never cut."""
+    fig.suptitle(textwrap.fill(text, max(40, int(fig.get_figwidth() * 13))), fontsize="medium")
 
 
 def _contexts(frame: pd.DataFrame, keys: list[str]) -> list[tuple[str, pd.DataFrame]]:
@@ -297,12 +318,14 @@ def _figure(width: float = 6.5, height: float = 4.5) -> Figure:
 
 def _save(fig: Figure, path_stem: str | Path) -> list[Path]:
     stem = Path(path_stem)
-    stem.parent.mkdir(parents=True, exist_ok=True)
+    with naming(stem.parent):
+        make_directory(stem.parent, "the output folder")
     paths = []
     for fmt in FORMATS:
         path = stem.with_name(f"{stem.name}.{fmt}")
         # The temporary file's name does not end in the format, so it is given.
-        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format=fmt))
+        with naming(path):
+            atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format=fmt))
         paths.append(path)
     return paths
 
@@ -329,5 +352,5 @@ def plot_collapse_survival(times: pd.DataFrame, path_stem: str | Path, *, by: Se
         ax.set_ylabel("share of seeds not collapsed")
         ax.set_title(title, fontsize="small")
         ax.legend(fontsize="xx-small")
-    fig.suptitle("time to collapse (Kaplan-Meier over seeds)", fontsize="medium")
+    _title(fig, "time to collapse (Kaplan-Meier over seeds; no interval drawn)")
     return _save(fig, path_stem)

@@ -1,9 +1,13 @@
 """``ablate-analyze --report``: one self-contained HTML file per sweep, readable offline.
 
-Everything is inside the file: tables as HTML, every plot as a ``data:image/png;base64`` URI, no
-script, no stylesheet or font from elsewhere, so the file can be attached to a review and opened
-without a network. A methods paragraph names each test, interval, family and seed count, from
-the tables' own attributes (what was computed, not what a default would have been).
+It is the offline dashboard of a sweep: it leads with the verdict (the same answers the command
+prints), then per outcome a methods paragraph, the compact tables, every column in a folded
+section, and the plots; the flags, and the per-step curves of every arm. Everything is inside the
+file: tables as HTML, every plot as a ``data:image/png;base64`` URI, no script, no stylesheet or
+font from elsewhere, so the file can be attached to a review and opened without a network. A
+methods paragraph names each test, interval, family and seed count, from the tables' own
+attributes (what was computed, not what a default would have been). Tables wrap their cells, so
+the page fits a 1280-pixel window without a horizontal scroll bar. It is written atomically.
 """
 
 from __future__ import annotations
@@ -16,15 +20,24 @@ from typing import Mapping, Sequence
 
 import pandas as pd
 
+from ablate.analysis.compact import compact_effects, compact_summary
+from ablate.analysis.compute import SweepAnalysis
+from ablate.analysis.printer import flags_text
 from ablate.analysis.signflip import DRAWS, EXACT_MAX_N
+from ablate.analysis.verdict import heading
+from ablate.store import atomic_write
 
 _STYLE = """
 body { font-family: sans-serif; max-width: 75em; margin: 2em auto; padding: 0 1em; color: #222; }
-table { border-collapse: collapse; font-size: 0.8em; margin: 0.5em 0 1.5em; }
-th, td { border: 1px solid #ccc; padding: 0.2em 0.5em; text-align: right; }
+table { border-collapse: collapse; font-size: 0.8em; margin: 0.5em 0 1.5em; max-width: 100%; }
+details table { font-size: 0.65em; table-layout: fixed; width: 100%; }
+th, td { border: 1px solid #ccc; padding: 0.2em 0.4em; text-align: right; overflow-wrap: anywhere; }
 th { background: #f0f0f0; }
 img { max-width: 100%; border: 1px solid #eee; margin: 0.5em 0; }
 .methods { background: #f8f8f8; padding: 0.8em 1em; border-left: 4px solid #888; }
+.verdict { border-left: 4px solid #0072B2; padding: 0.2em 1em; }
+.verdict li { margin: 0.3em 0; }
+.verdict ul ul { font-family: monospace; font-size: 0.85em; color: #444; list-style: none; padding-left: 1em; }
 """
 
 
@@ -71,48 +84,67 @@ def _table(frame: pd.DataFrame) -> str:
                         border=0, escape=True)
 
 
-def write_report(
-    path: Path,
-    *,
-    sweep: str,
-    design: Sequence[str],
-    summaries: Mapping[str, pd.DataFrame],
-    effect_tables: Mapping[str, pd.DataFrame],
-    plans: Mapping[str, pd.DataFrame],
-    flags: pd.DataFrame,
-    images: Mapping[str, Sequence[Path]],
-    n_seeds: str,
-    survival: pd.DataFrame | None = None,
-) -> Path:
-    """Write the report of one sweep to ``path`` (one HTML file) and return it."""
+def _figure(image: Path) -> str:
+    name = html.escape(Path(image).stem)
+    return f'<figure><img alt="{name}" src="{image_uri(image)}"><figcaption>{name}</figcaption></figure>'
+
+
+def verdict_html(result: SweepAnalysis) -> str:
+    """The verdict as the command prints it: per outcome a heading, per subject its answer and the rows it cites."""
+    parts = ['<div class="verdict">']
+    shown = None
+    for answer in result.verdict:
+        if (answer.outcome, answer.context) != shown:
+            if shown is not None:
+                parts.append("</ul>")
+            shown = (answer.outcome, answer.context)
+            title = heading(answer.outcome, answer.context, result.margins.get(answer.outcome))
+            parts.append(f"<h3>{html.escape(title)}</h3><ul>")
+        cited = "".join(f"<li>{html.escape(row.text())}</li>" for row in answer.evidence)
+        parts.append(f"<li><b>{html.escape(answer.subject)}: {html.escape(answer.finding)}</b> - "
+                     f"{html.escape(answer.sentence)}<ul>{cited}</ul></li>")
+    parts.append("</ul></div>" if shown is not None else "<p>no effect rows to read: the sweep needs none, full "
+                 "and random arms</p></div>")
+    return "".join(parts)
+
+
+def write_report(path: Path, result: SweepAnalysis, *, sweep: str, design: Sequence[str],
+                 images: Mapping[str, Sequence[Path]]) -> Path:
+    """Write the report of one sweep to ``path`` (one HTML file, atomically) and return it."""
     parts = [f"<h1>Sweep {html.escape(sweep)}</h1>", "<ul>"]
     parts += [f"<li>{html.escape(line)}</li>" for line in design]
     parts.append("</ul>")
-    for outcome, effect_table in effect_tables.items():
+    parts.append("<h2>Verdict: budget or selection?</h2><p>The effects tables below, read aloud. Each answer reads "
+                 "its rows' claims (differs: p_adj below alpha; within ±margin: the equivalence test) and cites "
+                 "them: effect policy-baseline: mean [interval adjusted to the row's family], p_adj, family.</p>")
+    parts.append(verdict_html(result))
+    for outcome, tables in result.outcomes.items():
+        effect_table = tables.effects
         parts.append(f"<h2>{html.escape(outcome)}</h2>")
-        parts.append(f'<p class="methods">{html.escape(methods_paragraph(summaries[outcome], effect_table, n_seeds))}</p>')
-        parts.append("<h3>Summary per arm</h3>" + _table(summaries[outcome]))
-        parts.append("<h3>Effects (paired by seed)</h3><p>ci_low/ci_high: unadjusted; ci_adj_low/ci_adj_high: "
-                     "adjusted to the row's family, as p_adj; claim: what the adjusted tests support.</p>")
-        parts.append(_table(effect_table))
-        if outcome in plans:
-            parts.append("<h3>Power and seeds (80% power, exact test simulated, each row at alpha over its "
-                         "family's size)</h3>" + _table(plans[outcome]))
-        for image in images.get(outcome, ()):
-            parts.append(f'<figure><img alt="{html.escape(Path(image).stem)}" src="{image_uri(image)}">'
-                         f"<figcaption>{html.escape(Path(image).stem)}</figcaption></figure>")
-    parts.append("<h2>Flags</h2>" + (_table(flags) if not flags.empty else "<p>no arms to judge</p>"))
-    if survival is not None:
+        parts.append(f'<p class="methods">'
+                     f"{html.escape(methods_paragraph(tables.summary, effect_table, result.seeds_per_arm))}</p>")
+        parts.append("<h3>Summary per arm</h3><p>effective_budget: the share of routes that replay changed.</p>"
+                     + _table(compact_summary(tables.summary)))
+        parts.append("<h3>Effects (paired by seed)</h3><p>ci_adj_low/ci_adj_high: the interval adjusted to the "
+                     "row's family, as p_adj; claim: what the adjusted tests support; every column below.</p>")
+        parts.append(_table(compact_effects(effect_table)))
+        parts.append("<details><summary>Every column: summary, effects (ci_low/ci_high unadjusted), power and "
+                     "seeds (80% power, exact test simulated, each row at alpha over its family's size)</summary>"
+                     + _table(tables.summary) + _table(effect_table) + _table(tables.plan) + "</details>")
+        parts += [_figure(image) for image in images.get(outcome, ())]
+    parts.append("<h2>Flags</h2>" + ("".join(f"<p>{html.escape(line)}</p>" for line in flags_text(result.flags, 1000))
+                                     + (f"<details><summary>Every column</summary>{_table(result.flags)}</details>"
+                                        if not result.flags.empty else "")))
+    if result.survival is not None:
         parts.append("<h2>Time to collapse</h2><p>Collapse: the collapsed outcome's rule (the smoothed reward "
                      "stays below the collapse threshold after its best value); a run that never collapses is "
                      "censored at its last step. p: paired permutation log-rank test against none (arms "
-                     "swapped within each seed).</p>" + _table(survival))
-    for image in images.get("", ()):
-        parts.append(f'<figure><img alt="{html.escape(Path(image).stem)}" src="{image_uri(image)}">'
-                     f"<figcaption>{html.escape(Path(image).stem)}</figcaption></figure>")
+                     "swapped within each seed).</p>" + _table(result.survival[1]))
+    if images.get(""):
+        parts.append("<h2>Every arm step by step</h2>")
+        parts += [_figure(image) for image in images[""]]
     document = ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
                 f"<title>ablate: {html.escape(sweep)}</title><style>{_STYLE}</style></head><body>"
                 + "\n".join(parts) + "</body></html>\n")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(document, encoding="utf-8")
+    atomic_write(path, lambda tmp: tmp.write_text(document, encoding="utf-8"))
     return path

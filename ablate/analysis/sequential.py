@@ -47,17 +47,6 @@ def e_values(d: np.ndarray, mu: float = 0.0) -> np.ndarray:
     return wealth.mean(axis=0)
 
 
-def running_max_e(d: np.ndarray) -> np.ndarray:
-    """The largest e-value seen so far after each seed (what stopping at a crossing reads)."""
-    return np.maximum.accumulate(e_values(d))
-
-
-def rejects_at(d: np.ndarray, alpha: float = 0.05) -> int | None:
-    """The first seed count at which the e-value reaches ``1 / alpha``, or None."""
-    crossed = np.flatnonzero(e_values(d) >= 1.0 / alpha)
-    return int(crossed[0]) + 1 if crossed.size else None
-
-
 def confidence_sequence(d: np.ndarray, alpha: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
     """Lower and upper bounds after each seed: the running intersection of ``{mu : e(mu) < 1/alpha}``.
 

@@ -4,7 +4,9 @@
 :func:`~ablate.analysis.flags.flag_policies` and :func:`~ablate.analysis.compare.compare_values`
 take ``settings=AnalysisSettings(...)`` and, for a one-off change, the same names as keywords
 (``effects(df, "kl_k3_mean", level=0.9)``); ``ablate-analyze`` builds one object from its flags,
-so the command line and the library compute the same tables from the same defaults.
+so the command line and the library compute the same tables from the same defaults. Given a frame
+of :func:`~ablate.analysis.load.load_runs`, the defaults include what the sweep file declared
+(:mod:`ablate.analysis.declared`): its primary questions and its margins.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, Mapping, Sequence
 
+from ablate.analysis.declared import declared_of
 from ablate.analysis.stats import ADJUSTMENTS, Adjustment, min_seeds_for_interval
 
 IntervalMethod = Literal["exact", "t", "percentile", "BCa"]
@@ -37,9 +40,13 @@ class AnalysisSettings:
     - ``adjust``: multiplicity adjustment within each family: Holm (family-wise error), BH
       (false discovery rate) or none.
     - ``primary``: ordered primary questions (row selectors, :mod:`ablate.analysis.families`),
-      tested by serial gatekeeping before anything else; the rest is exploratory.
+      tested by serial gatekeeping before anything else; the rest is exploratory. None (the
+      default): the questions the sweep file declared (``analysis.primary``), none for a frame
+      that carries no declaration; ``()`` asks none.
     - ``margins``: per outcome, the equivalence margin in the outcome's units: rows test
-      ``|effect| < margin`` (TOST) beside the difference test.
+      ``|effect| < margin`` (TOST) beside the difference test, and only a row that passes it
+      reads as "no effect". They add to (and, per outcome, replace) the sweep's declared
+      ``analysis.margins``.
     """
 
     by: tuple[str, ...] | None = None
@@ -49,7 +56,7 @@ class AnalysisSettings:
     seed: int = 0
     min_seeds: int | None = None
     adjust: Adjustment = "holm"
-    primary: tuple[str, ...] = ()
+    primary: tuple[str, ...] | None = None
     margins: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -67,7 +74,7 @@ class AnalysisSettings:
             if not margin > 0:
                 raise ValueError(f"margin {outcome}={margin}: expected a positive margin in {outcome}'s units")
         object.__setattr__(self, "by", None if self.by is None else tuple(self.by))
-        object.__setattr__(self, "primary", tuple(self.primary))
+        object.__setattr__(self, "primary", None if self.primary is None else tuple(self.primary))
         object.__setattr__(self, "margins", dict(self.margins))
 
     @property
@@ -80,14 +87,37 @@ class AnalysisSettings:
         return min_seeds_for_interval(self.level) if self.min_seeds is None else int(self.min_seeds)
 
     @classmethod
-    def of(cls, settings: "AnalysisSettings | None", options: Mapping[str, Any]) -> "AnalysisSettings":
-        """``settings`` (or the defaults) with ``options`` replaced; an unknown name is an error."""
+    def of(cls, settings: "AnalysisSettings | None", options: Mapping[str, Any],
+           frame: Any = None) -> "AnalysisSettings":
+        """``settings`` (or the defaults) with ``options`` replaced, completed from ``frame``'s
+        declaration (:meth:`for_frame`); an unknown name is an error."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
             raise TypeError(f"unknown analysis option(s) {unknown}; expected some of {sorted(known)}")
         base = settings if settings is not None else cls()
-        return replace(base, **options) if options else base
+        return (replace(base, **options) if options else base).for_frame(frame)
+
+    def for_frame(self, frame: Any) -> "AnalysisSettings":
+        """These settings with what ``frame``'s sweep declared filled in: the primary questions
+        when ``primary`` is None, the declared margins under the given ones.
+
+        The one place the library and the command line read a sweep's declaration from, so that
+        both compute the same tables; applying it twice changes nothing.
+        """
+        from ablate.analysis.families import parse_selector
+
+        declared = declared_of(frame)
+        primary = self.primary
+        if primary is None:
+            primary = declared.get("primary")
+            for text in primary:
+                parse_selector(text, "analysis.primary")
+        margins = dict(self.margins) if self.margins and "margins" in declared.conflicts else {
+            **declared.get("margins"), **self.margins}
+        if primary == self.primary and margins == self.margins:
+            return self
+        return replace(self, primary=primary, margins=margins)
 
 
 def parse_outcome_values(texts: Sequence[str], outcomes: Sequence[str], flag: str) -> dict[str, float]:

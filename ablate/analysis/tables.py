@@ -40,7 +40,7 @@ from ablate.outcomes import HIGHER_IS_BETTER
 from ablate.analysis.paired import paired_effect
 from ablate.analysis.settings import AnalysisSettings
 from ablate.analysis.signflip import t_interval
-from ablate.analysis.stats import bootstrap_ci, iqm, min_seeds_for_interval
+from ablate.analysis.stats import bootstrap_ci, iqm
 from ablate.arms import arm_policy
 from ablate.policies import fixed_budget_policies
 from ablate.policies.roles import (
@@ -108,7 +108,7 @@ def summarize(
     policies in the canonical order (none, full, random, uniform, fisher, mismatch, then
     others), budgets ascending.
     """
-    settings = AnalysisSettings.of(settings, options)
+    settings = AnalysisSettings.of(settings, options, df)
     keys = arm_keys(df, settings.by)
     check_frame(df, outcome, keys)
     needed = settings.needed
@@ -201,7 +201,7 @@ def effects(
     interval or a claim, and when seeds were dropped.
     """
     rows, keys, row_settings = effect_rows(
-        df, outcome, AnalysisSettings.of(settings, options), comparisons=comparisons,
+        df, outcome, AnalysisSettings.of(settings, options, df), comparisons=comparisons,
         others_vs_random=others_vs_random, pooled=pooled, matched=matched, extrapolate=extrapolate,
     )
     return effect_table(rows, keys, row_settings)
@@ -303,7 +303,7 @@ def effect_table(rows: list[dict[str, Any]], keys: Sequence[str], settings: RowS
     analysis, direction = settings.analysis, settings.higher_is_better
     table.attrs.update(
         outcome=settings.outcome, level=analysis.level, method=analysis.method, min_seeds=analysis.needed,
-        by=list(keys), adjust=analysis.adjust, primary=list(analysis.primary), margin=settings.margin,
+        by=list(keys), adjust=analysis.adjust, primary=list(analysis.primary or ()), margin=settings.margin,
         families=families_legend(table),
         improvement={True: "higher is better", False: "lower is better"}.get(direction, "P(policy > baseline)"),
     )
@@ -422,15 +422,6 @@ def arm_seeds(arms: Arms, policy: str, budget: float | None) -> dict[Hashable, f
     """``{seed: value}`` of one arm of :func:`arm_values` ({} when the sweep lacks it)."""
     key = (policy, None if policy in FIXED_BUDGET_POLICIES or budget is None else round(float(budget), 12))
     return arms.get(key, {})
-
-
-def resolve_min_seeds(min_seeds: int | None, level: float) -> int:
-    """``min_seeds`` checked, or the default rule of :func:`min_seeds_for_interval`."""
-    if min_seeds is None:
-        return min_seeds_for_interval(level)
-    if min_seeds < 2:
-        raise ValueError(f"min_seeds={min_seeds}: expected at least 2 (a bootstrap needs two values)")
-    return int(min_seeds)
 
 
 def _seeds_note(n: int, needed: int, unit: str) -> str:

@@ -6,6 +6,7 @@ import dataclasses
 import importlib
 import importlib.metadata
 import inspect
+import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar, TypeVar
@@ -58,6 +59,10 @@ class ReplayPolicy(ABC):
       ``Routes.native_margin``), which a backend records in a pass that replays nothing.
     - :attr:`reads_fisher`: the policy ranks by the Fisher estimate: it is built with the cell's
       tracker as ``fisher=``, and the estimate's settings are part of its arm.
+    - :attr:`color` and :attr:`marker`: how plots draw the policy, the same in every figure of
+      every sweep (a matplotlib colour and marker). Declared on the class itself (a subclass does
+      not take its parent's, so two policies never look alike by inheritance); left None, they
+      are derived from the policy's name (:func:`policy_look`).
     """
 
     name: ClassVar[str]
@@ -65,6 +70,8 @@ class ReplayPolicy(ABC):
     fixed_budget: ClassVar[float | None] = None
     needs_native_routes: ClassVar[bool] = False
     reads_fisher: ClassVar[bool] = False
+    color: ClassVar[str | None] = None
+    marker: ClassVar[str | None] = None
 
     def __init__(self, *, per_layer: bool = False) -> None:
         self.per_layer = bool(per_layer)
@@ -344,6 +351,38 @@ def fixed_budget_policies() -> dict[str, float]:
     """Every known policy with a budget by definition, with that budget (``{"none": 0.0, "full": 1.0}``)."""
     load_plugins()
     return {name: cls.fixed_budget for name, cls in sorted(_REGISTRY.items()) if cls.fixed_budget is not None}
+
+
+#: The colours and markers a policy that declares none is given, by a hash of its name; the
+#: colours are those the built-ins' Okabe-Ito palette leaves free.
+DERIVED_COLORS: tuple[str, ...] = ("#E69F00", "#8C564B", "#7F7F7F", "#BCBD22", "#17BECF", "#9467BD", "#8B0000")
+DERIVED_MARKERS: tuple[str, ...] = ("v", "P", "X", "*", "h", "<", ">")
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLook:
+    """How plots draw a policy; ``declared`` says whether the colour is the class's own."""
+
+    color: str
+    marker: str
+    declared: bool
+
+
+def policy_look(name: str) -> PolicyLook:
+    """The colour and marker of policy ``name``: those its class declares, else derived from the name.
+
+    The derived ones depend on the name only (a CRC32 of it), so a policy looks the same in every
+    sweep; a policy that is not installed where the analysis runs gets the derived look too.
+    """
+    declared: dict[str, Any] = {}
+    try:
+        declared = vars(policy_class(name))
+    except PolicyError:
+        pass
+    slot = zlib.crc32(name.encode())
+    color, marker = declared.get("color"), declared.get("marker")
+    return PolicyLook(color or DERIVED_COLORS[slot % len(DERIVED_COLORS)],
+                      marker or DERIVED_MARKERS[slot % len(DERIVED_MARKERS)], color is not None)
 
 
 def get_policy(name: str, **settings: Any) -> ReplayPolicy:

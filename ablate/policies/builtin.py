@@ -19,6 +19,8 @@ from ablate.routes import Routes
 class NoReplay(ReplayPolicy):
     """Replays nothing: the training router routes every token natively (budget 0)."""
 
+    color = "#000000"  # Okabe-Ito black
+    marker = "o"
     fixed_budget = 0.0
 
     def __init__(self) -> None:
@@ -32,6 +34,8 @@ class NoReplay(ReplayPolicy):
 class FullReplay(ReplayPolicy):
     """R3: replays every valid route (budget 1)."""
 
+    color = "#CC79A7"  # Okabe-Ito reddish purple
+    marker = "o"
     fixed_budget = 1.0
 
     def __init__(self) -> None:
@@ -45,6 +49,8 @@ class FullReplay(ReplayPolicy):
 class RandomReplay(ReplayPolicy):
     """n routes uniformly at random without replacement: the budget-only control."""
 
+    color = "#0072B2"  # Okabe-Ito blue
+    marker = "o"
     Settings = BudgetedPolicyConfig
 
     def __init__(self, *, per_layer: bool = False) -> None:
@@ -80,6 +86,9 @@ class UniformReplay(ReplayPolicy):
     simple random sample of its valid tokens (the top quota of uniform random keys). Pass
     ``offsets`` (``Routes.from_verl`` does) to get the stratified control.
     """
+
+    color = "#56B4E9"  # Okabe-Ito sky blue
+    marker = "s"
 
     def __init__(self) -> None:
         super().__init__(per_layer=True)
@@ -176,6 +185,8 @@ class FisherReplay(ReplayPolicy):
     tracker's shape, is checked at :meth:`select`, where the routes are known.
     """
 
+    color = "#D55E00"  # Okabe-Ito vermillion
+    marker = "^"
     Settings = FisherPolicyConfig
     reads_fisher = True
 
@@ -259,6 +270,8 @@ class MismatchReplay(ReplayPolicy):
     where it matters".
     """
 
+    color = "#009E73"  # Okabe-Ito bluish green
+    marker = "D"
     Settings = BudgetedPolicyConfig
     needs_native_routes = True
 

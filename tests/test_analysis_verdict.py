@@ -1,0 +1,206 @@
+"""The verdict: effect rows in, answers out, on tables small enough to check by hand; then the command's
+verdict traced row by row to the effects file it wrote."""
+
+import math
+import re
+
+import pandas as pd
+import pytest
+
+from ablate.analysis.verdict import read_verdict, render
+
+COLUMNS = ["effect", "policy", "baseline", "budget", "pooled", "mean", "ci_adj_low", "ci_adj_high", "p_value",
+           "p_adj", "family", "claim", "n_seeds"]
+
+
+def row(effect, policy, baseline, claim, *, mean=-1.0, p_adj=0.5, family="exploratory pooled", budget=math.nan,
+        pooled=True, n=6):
+    spread = abs(mean) / 10  # an interval that excludes 0, as a claim's does
+    low, high = (mean - spread, mean + spread) if claim != "inconclusive" else (-math.inf, math.inf)
+    return [effect, policy, baseline, budget, pooled, mean, low, high, p_adj, p_adj, family, claim, n]
+
+
+def table(*rows, margin=None, keys=()):
+    frame = pd.DataFrame([list(r) for r in rows], columns=[*keys, *COLUMNS])
+    frame.attrs.update(by=list(keys), margin=margin)
+    return frame
+
+
+def answers(*rows, margin=None, plan=None):
+    effects = table(*rows, margin=margin)
+    found = read_verdict({"kl_k3_mean": effects}, {"kl_k3_mean": plan} if plan is not None else None)
+    return {answer.subject: answer for answer in found}
+
+
+REPLAY = row("replay", "full", "none", "differs", mean=-0.0066, p_adj=0.031, family="primary 1: replay",
+             pooled=False)
+
+
+def test_replay_that_differs_changes_the_outcome_and_cites_its_row():
+    found = answers(REPLAY)["replay"]
+    assert found.finding == "changes" and found.sentence == "full replay lowers it"
+    (cited,) = found.evidence
+    assert cited.text() == "replay full-none: -0.0066 [-0.0073, -0.0059], p_adj 0.031, primary 1"
+
+
+def test_a_policy_that_wins_raw_but_not_matched_wins_by_how_many_routes_it_changes():
+    found = answers(
+        REPLAY,
+        row("budget", "random", "none", "inconclusive", p_adj=0.3),
+        row("selection", "mismatch", "random", "differs", mean=-0.0046, p_adj=0.031, family="primary 2: s"),
+        row("matched_selection", "mismatch", "random", "inconclusive", mean=-0.00044, p_adj=0.25,
+            family="primary 3: m"),
+    )["mismatch"]
+    assert found.finding == "budget"
+    assert "lowers it more than random by how many routes it changes (budget), not which" in found.sentence
+    assert [cited.effect for cited in found.evidence] == ["selection", "matched_selection"]
+    assert [cited.family for cited in found.evidence] == ["primary 2", "primary 3"]
+
+
+@pytest.mark.parametrize("budget_claim, expected", [("differs", "both"), ("within ±0.001", "selection"),
+                                                    ("inconclusive", "selection")])
+def test_selection_is_claimed_only_from_the_matched_row(budget_claim, expected):
+    rows = [row("budget", "random", "none", budget_claim),
+            row("selection", "fisher", "random", "inconclusive"),
+            row("matched_selection", "fisher", "random", "differs", mean=-0.002, p_adj=0.01)]
+    assert answers(*rows, margin=0.001)["fisher"].finding == expected
+    # The raw row alone, however strong, never makes a selection claim.
+    raw_only = [rows[0], row("selection", "fisher", "random", "differs", p_adj=0.01),
+                row("matched_selection", "fisher", "random", "inconclusive")]
+    assert answers(*raw_only, margin=0.001)["fisher"].finding == "budget"
+
+
+def test_no_effect_only_where_the_equivalence_test_shows_it():
+    within = [row("budget", "random", "none", "within ±0.001", mean=1e-4, p_adj=0.9),
+              row("selection", "uniform", "random", "within ±0.001", mean=1e-4, p_adj=0.9),
+              row("matched_selection", "uniform", "random", "within ±0.001", mean=1e-4, p_adj=0.9)]
+    found = answers(*within, margin=0.001)
+    assert found["random"].finding == "no effect" and "within ±0.001 (shown equivalent)" in found["random"].sentence
+    assert found["uniform"].finding == "neither"
+    # A large p is no evidence of no effect: without the equivalence claim, not determined.
+    vague = [row(*r[:3], "inconclusive", mean=1e-4, p_adj=1.0) for r in within]
+    found = answers(*vague)
+    assert found["random"].finding == found["uniform"].finding == "not determined"
+    assert found["uniform"].sentence.endswith("not shown equivalent: no margin")
+
+
+def test_undetermined_names_the_seeds_the_plan_gives_for_the_open_row():
+    rows = [row("budget", "random", "none", "differs", p_adj=0.01),
+            row("selection", "fisher", "random", "inconclusive"),
+            row("matched_selection", "fisher", "random", "inconclusive")]
+    plan = pd.DataFrame({"seeds_for_observed": [6.0, 40.0, 14.0]})
+    found = answers(*rows, margin=0.001, plan=plan)["fisher"]
+    assert found.finding == "not determined"
+    # The open question is the matched row (is it selection?): its 14 seeds, not the raw row's 40.
+    assert "the budget changes it" in found.sentence and "14 would give 80% power for the observed effect" in found.sentence
+    plan = pd.DataFrame({"seeds_for_detect": [6.0, 9.0, math.nan], "detect": [0.002] * 3})
+    found = answers(*rows, margin=0.001, plan=plan)["fisher"]
+    assert "no seed count up to 64 gives 80% power for an effect of +0.002" in found.sentence
+
+
+def test_a_primary_row_is_read_first_then_the_pooled_row_then_the_best_budget():
+    per_budget = row("selection", "fisher", "random", "inconclusive", budget=0.1, pooled=False, p_adj=0.6,
+                     family="exploratory per-budget")
+    pooled = row("selection", "fisher", "random", "inconclusive", p_adj=0.7)
+    primary = row("selection", "fisher", "random", "differs", budget=0.5, pooled=False, p_adj=0.03,
+                  family="primary 2: selection:fisher:random@0.5")
+    matched = row("matched_selection", "fisher", "random", "inconclusive")
+    assert answers(per_budget, pooled, primary, matched)["fisher"].evidence[0].where == "b=0.5"
+    assert answers(per_budget, pooled, matched)["fisher"].evidence[0].where == "pooled"
+    other = row("selection", "fisher", "random", "inconclusive", budget=0.5, pooled=False, p_adj=0.4,
+                family="exploratory per-budget")
+    assert answers(per_budget, other, matched)["fisher"].evidence[0].where == "b=0.5"
+
+
+def test_render_fits_the_width_and_heads_each_outcome_with_its_margin():
+    effects = table(REPLAY, row("selection", "a_policy_with_a_long_name", "random", "inconclusive"),
+                    row("matched_selection", "a_policy_with_a_long_name", "random", "inconclusive"))
+    lines = render(read_verdict({"kl_k3_mean": effects}), {"kl_k3_mean": None}, width=60)
+    assert lines[0] == "kl_k3_mean (lower is better; no margin declared)"
+    assert max(map(len, lines)) <= 60
+    contexts = table(REPLAY, [*REPLAY[:5], 0.01, *REPLAY[6:]], keys=())
+    contexts.insert(0, "backend.router_noise", [0.0, 0.07])
+    contexts.attrs["by"] = ["backend.router_noise"]
+    lines = render(read_verdict({"final_reward": contexts}), {"final_reward": 0.05})
+    assert "final_reward at backend.router_noise=0.07 (higher is better; margin ±0.05)" in lines
+
+
+EVIDENCE = re.compile(r"^\s+(replay|budget|selection|matched) (\S+)-(\w+)(?: (pooled|b=\S+))?: (\S+) .*, "
+                      r"p_adj (\S+), (.+)$")
+
+
+def traced_rows(printed: str, outcome: str, effects: pd.DataFrame) -> int:
+    """Every evidence line of ``outcome``'s verdict matches one row of its effects file; returns how many."""
+    section = printed.split("## verdict")[1].split("\n## ")[0]
+    block = section.split(f"\n{outcome} (")[1].split("\n\n")[0]
+    found = 0
+    for line in block.splitlines():
+        match = EVIDENCE.match(line)
+        if not match:
+            continue
+        kind, policy, baseline, where, mean, p_adj, family = match.groups()
+        kind = "matched_selection" if kind == "matched" else kind
+        rows = effects[(effects["effect"] == kind) & (effects["policy"] == policy)
+                       & (effects["baseline"] == baseline)]
+        if where == "pooled":
+            rows = rows[rows["pooled"]]
+        elif where:
+            rows = rows[(~rows["pooled"]) & (rows["budget"] == float(where[2:]))]
+        assert len(rows) == 1, line
+        cited = rows.iloc[0]
+        assert float(mean) == pytest.approx(cited["mean"], rel=0.05, abs=1e-12), line
+        assert float(p_adj) == pytest.approx(cited["p_adj"], rel=0.05), line
+        assert cited["family"].startswith(family), line
+        found += 1
+    return found
+
+
+def test_the_command_prints_the_verdict_first_and_every_line_traces_to_a_row(tmp_path, capsys, monkeypatch):
+    from ablate.analysis.cli import main
+    from tests.test_analysis_store import BUDGETS, write_cell
+
+    sweep_dir = tmp_path / "runs" / "toy"
+    for seed in range(6):
+        for policy, budget in [("none", 0.0), ("full", 1.0)] + [(p, b) for b in BUDGETS for p in ("random", "fisher")]:
+            write_cell(sweep_dir, policy, budget, seed)
+    monkeypatch.setenv("COLUMNS", "100")
+    assert main([str(sweep_dir), "--out", str(tmp_path / "out"), "--reps", "100", "--no-plots",
+                 "--primary", "replay", "--primary", "selection:fisher:random@pooled"]) == 0
+    printed = capsys.readouterr().out
+    # No --outcome and none declared: the mismatch and the reward, the verdict before any table.
+    assert printed.index("## verdict") < printed.index("| ")
+    assert "\nkl_k3_mean (lower is better; no margin declared)" in printed
+    assert "\nfinal_reward (higher is better; no margin declared)" in printed
+    for outcome in ("kl_k3_mean", "final_reward"):
+        effects = pd.read_csv(tmp_path / "out" / f"effects_{outcome}.csv")
+        assert traced_rows(printed, outcome, effects) >= 3
+    wide = [line for line in printed.splitlines() if len(line) > 100 and str(tmp_path) not in line]
+    assert not wide  # only a line naming a long path may be wider
+
+
+@pytest.mark.slow
+def test_the_verdict_of_a_real_smoke_sweep_reads_its_declared_outcomes_and_traces_to_its_rows(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import TINY
+
+    shrink = [o for o in TINY if not o.startswith("backend.steps")]
+    sweep = subprocess.run([sys.executable, "-m", "ablate", "sweeps=smoke", "policy=none,full,random,mismatch",
+                            "budget=0.5", "seed=range(6)", "backend.steps=8", *shrink, "tracking.mode=disabled"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=1200)
+    assert sweep.returncode == 0, sweep.stdout[-3000:] + sweep.stderr[-3000:]
+    done = subprocess.run([sys.executable, "-m", "ablate.analysis", "runs/smoke", "--reps", "100", "--no-plots"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "100"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = done.stdout
+    # smoke.yaml declares the outcomes and their margins; its first primary question is replay.
+    assert "\nkl_k3_mean (lower is better; margin ±0.001)" in printed
+    assert "\nfinal_reward (higher is better; margin ±0.05)" in printed
+    assert "replay full-none: " in printed and ", primary 1\n" in printed
+    assert "\n  mismatch: " in printed
+    for outcome in ("kl_k3_mean", "final_reward"):
+        effects = pd.read_csv(tmp_path / "runs/smoke/analysis" / f"effects_{outcome}.csv")
+        assert traced_rows(printed, outcome, effects) >= 4  # replay, budget, mismatch raw and matched
+    assert max(len(line) for line in printed.splitlines()) <= 100
