@@ -25,7 +25,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -367,6 +367,8 @@ class Tally:
     problems: list[str]
     #: Cells that failed because their disk was full (their recorded error is ENOSPC or EDQUOT).
     disk_full: int = 0
+    #: What cells that completed warned of: in a sweep their log lines stay in each job's file.
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -384,18 +386,22 @@ class Tally:
         if len(self.problems) > most:
             shown.append(f"  ... and {len(self.problems) - most} more (hydra.sweeper.dry_run=true lists every cell "
                          "with its state)")
+        shown += [f"  warning: {warning}" for warning in self.warnings[:most]]
+        if len(self.warnings) > most:
+            shown.append(f"  ... and {len(self.warnings) - most} more warnings (each cell's status.json lists its own)")
         return [self.line(sweep, elapsed, where), *shown]
 
 
 def tally(planned: Sequence[PlannedCell]) -> Tally:
     """Count every cell by its state in the store; a cell that did not run never counts as done."""
     counts: Counter[CellState] = Counter()
-    problems = []
+    problems, warnings = [], []
     disk_full = 0
     for cell in tracked(planned):
         ended, view = outcome(cell)
         counts[ended] += 1
         name, where = cell.cell.name, cell.directory
+        warnings += [f"{name}: {warning}" for warning in view.warnings]
         disk_full += ended is CellState.FAILED and any(f"[Errno {code}]" in (view.detail or "") for code in DISK_FULL)
         if ended is CellState.INTERRUPTED:
             problems.append(f"interrupted: {name}: {view.detail or 'interrupted'} ({where}); a rerun of the sweep "
@@ -408,4 +414,4 @@ def tally(planned: Sequence[PlannedCell]) -> Tally:
         elif ended is not CellState.COMPLETE:
             problems.append(f"not run: {name}: {view.detail or 'the launcher did not run it'} ({where}); a rerun "
                             "of the sweep runs it")
-    return Tally(counts, len(planned) - len(tracked(planned)), problems, disk_full)
+    return Tally(counts, len(planned) - len(tracked(planned)), problems, disk_full, warnings)

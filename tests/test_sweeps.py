@@ -85,7 +85,9 @@ def test_smoke_grid_with_joblib(tmp_path):
     store = tmp_path / "runs"
     result = smoke(store, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2")
     assert result.returncode == 0, result.stdout[-3000:]
-    assert "Joblib.Parallel(n_jobs=2" in result.stdout
+    # The launcher's own lines go to the sweep's launches.log, not the console (its progress bar's).
+    launches = "".join(log.read_text() for log in (store / "smoke" / "_hydra").glob("multirun-*/launches.log"))
+    assert "Joblib.Parallel(n_jobs=2" in launches and "Joblib" not in result.stdout
     check_smoke_store(store / "smoke")
 
 

@@ -54,6 +54,8 @@ class CellView:
     attempt: int
     #: The recorded error of a failed or interrupted cell, why a cell is corrupt, or who runs it.
     detail: str | None = None
+    #: The warnings a complete cell recorded (a W&B run that fell back offline, a schema problem).
+    warnings: tuple[str, ...] = ()
 
 
 def inspect_cell(directory: Path, cell_id: str | None = None) -> CellView:
@@ -110,4 +112,6 @@ def inspect_cell(directory: Path, cell_id: str | None = None) -> CellView:
         return CellView(directory, CellState.CORRUPT, attempt, str(error))
     if cell_id is not None and identity.cell_id != cell_id:
         return CellView(directory, CellState.NEW, attempt, f"holds another cell ({identity.cell_id})")
-    return CellView(directory, CellState.COMPLETE, attempt)
+    warnings = status.get("warnings")
+    kept = tuple(str(w) for w in warnings) if isinstance(warnings, list) else ()
+    return CellView(directory, CellState.COMPLETE, attempt, warnings=kept)
