@@ -279,7 +279,7 @@ def run_call(layout: Layout, config, chunks, batches: list[dict], *, forward_onl
              last_update: bool) -> tuple[list[dict], int, dict[str, float] | None]:
     """One ``forward_backward_batch`` call of verl's Megatron engine with R3, through the hook's wrapper.
 
-    The call is described by verl's own batch TensorDict and goes through ``patch.hooked_call``,
+    The call is described by verl's own batch TensorDict and goes through ``engines.hooked_call``,
     as verl's engine method does once the hook is installed; the micro-batch loop stands in for
     Megatron's schedule. Returns every pass the call ran (``mismatch``'s old-log-prob call runs a
     native pass first), each with the experts every router used and the model's output per token
@@ -292,7 +292,7 @@ def run_call(layout: Layout, config, chunks, batches: list[dict], *, forward_onl
     from megatron.core import parallel_state as mpu
     from tensordict import TensorDict
 
-    from ablate.backends.verl import patch
+    from ablate.backends.verl import engines
     from verl.utils import tensordict_utils as tu
     from verl.utils.megatron.router_replay_patch import RouterReplay, RouterReplayAction
     from verl.utils.megatron.router_replay_utils import (
@@ -360,7 +360,7 @@ def run_call(layout: Layout, config, chunks, batches: list[dict], *, forward_onl
         passes.append({"used": gather_ranks(capture.used), "outputs": gather_ranks(outputs)})
         return {"metrics": {}, "pass": len(passes) - 1}
 
-    output = patch.hooked_call(patch.active_hook(), forward_backward_batch, SimpleNamespace(tf_config=config), data,
+    output = engines.hooked_call(engines.active_hook(), forward_backward_batch, SimpleNamespace(tf_config=config), data,
                                None, forward_only)
     metrics = {key: values[0] for key, values in output["metrics"].items()} or None
     return passes, output["pass"], metrics
@@ -379,7 +379,7 @@ def run(rank: int, layout: Layout, port: int, policies: list[tuple[str, float, d
     """Entry point of one rank: every policy for two steps; rank 0 saves what was routed and logged."""
     from megatron.core import parallel_state as mpu
 
-    from ablate.backends.verl import patch
+    from ablate.backends.verl import engines
     from ablate.backends.verl.hook import HookSettings, ReplayMaskHook
     from ablate.policies import PolicySpec
 
@@ -395,7 +395,7 @@ def run(rank: int, layout: Layout, port: int, policies: list[tuple[str, float, d
     results = {}
     for policy, budget, settings in policies:
         chunks = build_chunks(layout, config)
-        patch.install(ReplayMaskHook(HookSettings(PolicySpec(policy, settings), budget, seed=5)))
+        engines.install(ReplayMaskHook(HookSettings(PolicySpec(policy, settings), budget, seed=5)))
         steps = []
         for _ in range(2):
             calls = [("log_prob", mine, True, False)]
@@ -407,7 +407,7 @@ def run(rank: int, layout: Layout, port: int, policies: list[tuple[str, float, d
                 step["calls"].append({"name": name, "passes": passes, "returned": returned})
                 step["metrics"] = metrics or step["metrics"]
             steps.append(step)
-        patch.uninstall()
+        engines.uninstall()
         results[policy] = steps
     if rank == 0:
         torch.save(results, out_path)

@@ -208,22 +208,22 @@ INSTALL_PROBE = textwrap.dedent("""
     from verl.utils.import_utils import import_external_libs
 
     import_external_libs("ablate.backends.verl.worker")  # what HFModelConfig does in every process
-    from ablate.backends.verl import patch
+    from ablate.backends.verl import engines
 
     report = {{"megatron_after_import": sorted(m for m in sys.modules if m.startswith("megatron"))[:3],
-              "installed_after_import": patch.active_hook() is not None}}
+              "installed_after_import": engines.active_hook() is not None}}
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29671")
     dist.init_process_group("gloo", rank=0, world_size=1)
     from verl.workers.config import McoreEngineConfig
     from verl.workers.config.engine import EngineRouterReplayConfig
     from verl.workers.engine.megatron import transformer_impl
 
-    report["installed_after_engine_import"] = patch.active_hook() is not None
+    report["installed_after_engine_import"] = engines.active_hook() is not None
     for name, (engine, mode, forward_only) in {engines!r}.items():
         getattr(transformer_impl, engine)(
             None, McoreEngineConfig(router_replay=EngineRouterReplayConfig(mode=mode), forward_only=forward_only),
             None, None)
-        report[name] = patch.active_hook() is not None
+        report[name] = engines.active_hook() is not None
     print("REPORT" + json.dumps(report))
 """)
 

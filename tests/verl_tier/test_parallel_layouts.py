@@ -22,7 +22,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import megatron_world as world  # noqa: E402
-from ablate.backends.verl.patch import MICRO_BATCHES_KEY  # noqa: E402
+from ablate.backends.verl.engines import MICRO_BATCHES_KEY  # noqa: E402
 from ablate.budget import count_for  # noqa: E402
 
 pytestmark = [pytest.mark.verl, pytest.mark.slow]

@@ -3,13 +3,15 @@
 One training step of verl is an old-log-prob pass (one ``forward_backward_batch`` call with
 ``forward_only``; bypass mode skips it), then one update call per mini-batch and epoch. A call
 runs micro-batches, and each micro-batch reaches the hook once per model chunk of a rank, in
-micro-batch order. The hook:
+micro-batch order. The hook knows no training engine: the engine's seam (:mod:`.engines`) frames
+its calls, hands it each micro-batch's routes and each router's native top-k, and applies its
+masks. The hook:
 
-- selects a mask for each micro-batch (:mod:`.selection`) and hands it to verl's own packing
-  (:mod:`.patch`); the old-log-prob pass and every update pass replay the same mask, so the PPO
-  ratio starts at 1 for every policy;
+- selects a mask for each micro-batch (:mod:`.selection`) and hands it to the seam, which sends
+  it through the engine's own packing; the old-log-prob pass and every update pass replay the
+  same mask, so the PPO ratio starts at 1 for every policy;
 - writes the native routes its routers computed into one buffer per call, assembled over the
-  model-parallel ranks at the end of the call (:mod:`.counters`). ``mismatch`` selects on native
+  ranks that split a micro-batch's routes at the end of the call (the seam's rank layout). ``mismatch`` selects on native
   routes: the step's old-log-prob call first runs one more forward that replays nothing (a
   *native pass*, whose output verl never sees), and keeps its native routes, per sequence, for
   the replayed old-log-prob pass and the update passes;
@@ -32,8 +34,9 @@ import torch
 from torch import Tensor
 
 from ablate.backends.verl import counters
+from ablate.backends.verl.engines import seam_for
+from ablate.backends.verl.engines.base import MICRO_BATCHES_KEY, CallInfo, augment_routes
 from ablate.backends.verl.metrics import step_metrics
-from ablate.backends.verl.patch import MICRO_BATCHES_KEY, CallInfo, augment_routes, split_augmented_targets
 from ablate.backends.verl.probes import ProbeRun, probe_run
 from ablate.backends.verl.selection import MicroBatchSelection, select_micro_batch, sequence_keys
 from ablate.budget import check_budget
@@ -52,6 +55,7 @@ class HookSettings:
 
     ``update_epochs`` is the run's ``actor.ppo_epochs``: each update epoch counts every route once.
     ``probes`` are scored on the hook's steps 0, ``probe_every``, ... (the step's first call is 0).
+    ``engine`` is the training engine whose seam the hook installs in (:mod:`.engines`).
     """
 
     ENV = "ABLATE_VERL_CELL"
@@ -62,6 +66,7 @@ class HookSettings:
     update_epochs: int = 1
     probes: tuple[Probe, ...] = ()
     probe_every: int = 1
+    engine: str = "megatron"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -125,6 +130,8 @@ class ReplayMaskHook:
 
     def __init__(self, settings: HookSettings) -> None:
         self.settings = settings
+        #: what the hook needs from the training engine (:class:`.engines.base.EngineSeam`).
+        self.seam = seam_for(settings.engine)
         policy = settings.policy.policy_class
         self.needs_native = policy.needs_native_routes
         self._probes_need_native = any(
@@ -210,13 +217,13 @@ class ReplayMaskHook:
             return None
         if call.native_pass:
             assert call.native_margin is not None
-            self._keep_native_routes(call, counters.assemble_over_model_parallel(call.native),
-                                     counters.assemble_over_model_parallel(call.native_margin))
+            self._keep_native_routes(call, self.seam.assemble(call.native),
+                                     self.seam.assemble(call.native_margin))
             self._native_pass_done = True
             return None
         if call.info.forward_only and call.probe is None:
             return None
-        native = counters.assemble_over_model_parallel(call.native)
+        native = self.seam.assemble(call.native)
         columns = call.info.moe_columns
         counts = dict.fromkeys(ROUTE_COUNTS, 0.0) if call.probe is not None else self.step_counts
         for index in call.counted:
@@ -236,43 +243,39 @@ class ReplayMaskHook:
         self._reset_step()
         return metrics
 
-    # ------------------------------------------------------------------ verl-facing methods
-    def set_router_replay_data(self, original, layers_topk_idx, attention_mask, tf_config, vp_rank=None,
-                               replay_mask=None, local_cp_size=None, model=None):
-        """verl's ``set_router_replay_data`` with ablate's mask in place of R3's per-token mask."""
-        call = self._call
-        if call is None or replay_mask is None or model is None or not getattr(layers_topk_idx, "is_nested", False):
-            # Not an R3 micro-batch of an ablate cell (R2, BSHD input, outside a hooked call).
-            return original(layers_topk_idx, attention_mask, tf_config, vp_rank, replay_mask=replay_mask,
-                            local_cp_size=local_cp_size, model=model)
-        from verl.utils.megatron.router_replay_utils import iter_model_routers
+    # ------------------------------------------------------------------ engine-facing methods
+    def current_call(self) -> CallInfo | None:
+        """The call the hook is framing (None outside one): a seam replays only inside it."""
+        return self._call.info if self._call is not None else None
 
-        rollout, offsets = layers_topk_idx.values(), layers_topk_idx.offsets()
-        rows, route_layers, topk = rollout.shape
-        index = call.micro_batch(vp_rank or 0, rows)
+    def augmented_routes(self, chunk: int, rollout: Tensor, r3_mask: Tensor, offsets: Tensor, *,
+                         counted: bool) -> Tensor:
+        """One micro-batch's rollout routes with its replay mask, validity and row ids as extra columns.
+
+        ``rollout`` is ``[tokens, route layers, topk]`` in the engine's packed order, ``offsets``
+        its sequence boundaries, ``r3_mask`` the tokens the engine's own R3 replays. ``chunk``
+        tells apart the model chunks of a rank (Megatron's virtual pipeline stages), which all see
+        the micro-batch; ``counted``: this rank and chunk counts it for its model-parallel group.
+        The seam sends the result through the engine's own packing (:func:`.engines.base.augment_routes`).
+        """
+        call = self._call
+        index = call.micro_batch(chunk, rollout.shape[0])
         selection = call.selections.get(index)
         if selection is None:
-            selection = call.selections[index] = self._select(call, rollout, replay_mask.values(), offsets)
-        routers = list(iter_model_routers(model))
-        self._tag_routers(call.info, routers)
-        if counters.counting_rank([number for number, _ in routers], call.info.first_moe_layer):
+            selection = call.selections[index] = self._select(call, rollout, r3_mask, offsets)
+        if counted:
             call.counted.append(index)
-        mask = torch.zeros(rows, route_layers, dtype=torch.bool, device=rollout.device)
+        mask = torch.zeros(rollout.shape[:2], dtype=torch.bool, device=rollout.device)
         mask[:, call.info.moe_columns] = selection.mask
-        augmented = augment_routes(rollout, mask, selection.valid, call.starts[index])
-        packed = torch.nested.nested_tensor_from_jagged(augmented, offsets=offsets)
-        with split_augmented_targets(topk):
-            original(packed, attention_mask, tf_config, vp_rank, replay_mask=None, local_cp_size=local_cp_size, model=model)
+        return augment_routes(rollout, mask, selection.valid, call.starts[index])
 
-    def observe(self, replay, native: Tensor, scores: Tensor | None = None) -> None:
-        """Called by a router in REPLAY_FORWARD with the native top-k of its rows (and its scores)."""
+    def observe(self, column: int, rows: Tensor, native: Tensor, scores: Tensor | None = None) -> None:
+        """A router's native top-k of its rows (row ids in the call's token order, -1: padding), and its scores."""
         call = self._call
-        extra = getattr(replay.target_replay_mask, "_ablate", None)
-        column = getattr(replay, "_ablate_column", None)
-        if call is None or extra is None or column is None:
+        if call is None:
             return
-        rows = extra[1].to(call.native.device)
-        real = rows >= 0  # rows verl added to pad sequences for TP/CP have row id -1
+        rows = rows.to(call.native.device)
+        real = rows >= 0  # rows the engine added to pad sequences (TP, CP, SP) have row id -1
         call.native[rows[real], column] = (native.to(call.native.device)[real] + 1).to(torch.int16)
         if call.native_margin is not None and scores is not None:
             margin = native_margin(scores.detach().float(), native)
@@ -318,14 +321,6 @@ class ReplayMaskHook:
             return selection
         self.step_counts["fisher_fallback"] += float(selection.fisher_fallback)
         return selection
-
-    @staticmethod
-    def _tag_routers(info: CallInfo, routers) -> None:
-        """Give each router its column in the route tensor and its MoE-layer index."""
-        moe_columns = info.moe_columns
-        for layer_number, router in routers:
-            router._ablate_column = info.layer_columns[layer_number - 1]
-            router._ablate_moe_layer = moe_columns.index(router._ablate_column)
 
     def _count(self, counts: dict[str, float], selection: MicroBatchSelection, native: Tensor) -> None:
         """Add one micro-batch's counts to ``counts`` (this rank counts it for its model-parallel group)."""
