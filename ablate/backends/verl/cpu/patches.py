@@ -1,8 +1,9 @@
 """Runtime patches of verl, mbridge and megatron-core that a CPU run needs, each named and counted.
 
 Every patch stands in for code that only runs with CUDA or Transformer Engine, so each is also a
-part of the GPU path the CPU run does not exercise; docs/verl-cpu.md lists them by name.
-:func:`apply_all` applies them once per process and returns the names it applied.
+part of the GPU path the CPU run does not exercise; docs/verl-cpu.md lists them by name. Each
+names the training engines whose CPU run needs it: :func:`apply_all` applies those of one
+engine, once per process, and returns their names.
 """
 
 from __future__ import annotations
@@ -17,12 +18,18 @@ from dataclasses import dataclass
 import torch
 
 
+MEGATRON = ("megatron",)
+EVERY_ENGINE = ("megatron", "veomni")
+
+
 @dataclass(frozen=True)
 class Patch:
     name: str
     #: what is replaced and why (the docs page says the same).
     reason: str
     apply: Callable[[], None]
+    #: the engines (``backend.engine``) whose CPU run needs it.
+    engines: tuple[str, ...] = MEGATRON
 
 
 def _gloo_process_group() -> None:
@@ -162,7 +169,7 @@ PATCHES = (
     Patch("gloo_process_group",
           "verl.utils.distributed.initialize_global_process_group_ray: the CPU platform's backend string "
           "'cpu:gloo,cpu:gloo' is passed as plain 'gloo' (torch rejects the device-qualified form); NCCL is not used",
-          _gloo_process_group),
+          _gloo_process_group, EVERY_ENGINE),
     Patch("local_layer_spec",
           "mbridge LLMBridge._get_transformer_layer_spec: Megatron's local layer spec instead of Transformer "
           "Engine's, with packed attention computed per sequence by SDPA; TE layers, fused kernels and TE's "
@@ -196,10 +203,11 @@ PATCHES = (
 _applied: list[str] = []
 
 
-def apply_all() -> list[str]:
-    """Apply every patch once in this process; the names applied."""
+def apply_all(engine: str = "megatron") -> list[str]:
+    """Apply every patch ``engine`` needs, once in this process; the names applied."""
     if not _applied:
         for patch in PATCHES:
-            patch.apply()
-            _applied.append(patch.name)
+            if engine in patch.engines:
+                patch.apply()
+                _applied.append(patch.name)
     return list(_applied)
