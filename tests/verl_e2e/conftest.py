@@ -42,3 +42,21 @@ def policy_store(tmp_path_factory, assets) -> Path:
     assert done.returncode == 0, (done.stdout[-4000:], done.stderr[-4000:])
     assert f"sweep cpu: {len(policies)} complete, 0 failed, 0 skipped" in done.stdout + done.stderr
     return store
+
+
+@pytest.fixture(scope="session")
+def veomni_store(tmp_path_factory, assets) -> tuple[Path, str]:
+    """One multirun of ``none``, ``full`` and ``random`` at budget 0.5, seed 0, on verl's VeOmni engine
+    (``backend.engine=veomni``), into the store's sweep ``cpu-veomni``; the store and what the run printed.
+
+    Two cells at a time, each with two FSDP2 ranks, and the same probes as the Megatron cells.
+    """
+    store = tmp_path_factory.mktemp("cpu-veomni") / "runs"
+    store.mkdir()
+    done, seconds = run_ablate(store, assets, "-m", "backend.engine=veomni", "policy=none,full,random",
+                               f"budget={BUDGET}", "seed=0", "sweep=cpu-veomni", "tracking.mode=offline",
+                               *PROBE_OVERRIDES, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", timeout=2700)
+    print(f"\n3 verl CPU cells on the VeOmni engine in one multirun, two at a time: {seconds:.0f} s wall")
+    assert done.returncode == 0, (done.stdout[-4000:], done.stderr[-4000:])
+    assert "sweep cpu-veomni: 3 complete, 0 failed, 0 skipped" in done.stdout + done.stderr
+    return store, done.stdout + done.stderr
