@@ -146,7 +146,7 @@ def main() -> None:
         print(f"{layout_name:<10} {'R3 (verl)':<18} {plain * 1e3:>17.1f}")
         for policy in args.policies.split(","):
             hook = ReplayMaskHook(HookSettings(PolicySpec(policy), 0.25, seed=0))
-            hook.seam.install_routers(hook)
+            hook.seam.install_routers()
             step(lengths, *batch, hook, last_update=True)  # one closed step: fisher has an estimate
             step(lengths, *batch, hook, forward_only=True)  # the old-log-prob pass: mismatch's native routes
             hooked = median_time(args.repeats, lambda: step(lengths, *batch, hook), device)  # updates in that step

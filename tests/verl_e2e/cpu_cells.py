@@ -49,3 +49,25 @@ def run_ablate(store: Path, assets: Path, *args: str, timeout: float = 1200) -> 
     done = subprocess.run(ablate_command(store, assets, *args), capture_output=True, text=True, timeout=timeout,
                           cwd=store.parent, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
     return done, time.monotonic() - started
+
+
+class Background:
+    """The command as a user types it, running while others run; :meth:`wait` gives what :func:`run_ablate` does."""
+
+    def __init__(self, store: Path, assets: Path, *args: str) -> None:
+        self.command = ablate_command(store, assets, *args)
+        self.out, self.err = (store.parent / f"ablate.{name}" for name in ("out", "err"))
+        self.started = time.monotonic()
+        with open(self.out, "w") as out, open(self.err, "w") as err:  # files: two pipes left unread would block
+            self.process = subprocess.Popen(self.command, stdout=out, stderr=err, text=True, cwd=store.parent,
+                                            env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+
+    def wait(self, timeout: float) -> tuple[subprocess.CompletedProcess, float]:
+        try:
+            self.process.wait(timeout=max(1.0, self.started + timeout - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise
+        done = subprocess.CompletedProcess(self.command, self.process.returncode, self.out.read_text(),
+                                           self.err.read_text())
+        return done, time.monotonic() - self.started

@@ -16,6 +16,7 @@ import time
 
 import psutil
 import pytest
+import yaml
 
 from cpu_cells import BUDGET, PROBES, ablate_command, cell_dir, needs_verl_runtime, run_ablate
 
@@ -44,7 +45,7 @@ def test_every_cell_completes_with_every_key_from_the_store_and_the_wandb_run(ve
     for policy in POLICIES:
         cell = cell_dir(store / "cpu-veomni", CELLS[policy])
         assert read_json(cell / "status.json")["status"] == "complete", policy
-        assert read_json(cell / "cell.json")["config"]["backend"]["engine"] == "veomni"
+        assert yaml.safe_load((cell / "config.yaml").read_text())["backend"]["engine"] == "veomni"
         frame = records(store, policy)
         assert list(frame["step"]) == list(range(1, STEPS + 1)), policy
         missing = [key for key in (*ALWAYS, *WHERE_DEFINED) if key not in frame]

@@ -88,11 +88,12 @@ class _Call:
     """One ``forward_backward_batch`` call: its micro-batches in the call's token order."""
 
     info: CallInfo
-    #: ``[tokens, route layers, topk]`` native expert id + 1 written by this rank's routers (0: not here).
+    #: ``[route layers, tokens, topk]`` native expert id + 1 written by this rank's routers (0: not here),
+    #: layer-major: each router writes one block of rows.
     native: Tensor
     #: a forward that replays nothing, run only to record native routes (``needs_native_routes``).
     native_pass: bool = False
-    #: ``[tokens, route layers]`` native margins (``ablate.routes.native_margin``) written with ``native``.
+    #: ``[route layers, tokens]`` native margins (``ablate.routes.native_margin``) written with ``native``.
     native_margin: Tensor | None = None
     starts: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
@@ -124,6 +125,14 @@ class _Call:
     def rows_of(self, index: int) -> slice:
         return slice(self.starts[index], self.starts[index] + self.rows[index])
 
+    def token_major(self, layer_major: Tensor, index: int) -> Tensor:
+        """Micro-batch ``index``'s MoE columns of a layer-major buffer, ``[rows, MoE layers, ...]``."""
+        columns = self.info.moe_columns
+        part = layer_major[:, self.rows_of(index)]
+        if len(columns) != layer_major.shape[0]:
+            part = part[columns]
+        return part.transpose(0, 1).contiguous()
+
 
 class ReplayMaskHook:
     """Chooses per-(token, layer) replay masks for verl's R3 and measures what replay changed."""
@@ -131,7 +140,7 @@ class ReplayMaskHook:
     def __init__(self, settings: HookSettings) -> None:
         self.settings = settings
         #: what the hook needs from the training engine (:class:`.engines.base.EngineSeam`).
-        self.seam = seam_for(settings.engine)
+        self.seam = seam_for(settings.engine, self)
         policy = settings.policy.policy_class
         self.needs_native = policy.needs_native_routes
         self._probes_need_native = any(
@@ -201,9 +210,9 @@ class ReplayMaskHook:
         if self.policy is None:
             self.policy, self.tracker = self.settings.policy.build(len(info.moe_columns), info.num_experts)
             self._topk = info.topk
-        native = torch.zeros(info.num_tokens, info.route_layers, info.topk, dtype=torch.int16,
+        native = torch.zeros(info.route_layers, info.num_tokens, info.topk, dtype=torch.int16,
                              device=counters.collective_device())
-        margin = (torch.zeros(info.num_tokens, info.route_layers, device=counters.collective_device())
+        margin = (torch.zeros(info.route_layers, info.num_tokens, device=counters.collective_device())
                   if native_pass else None)
         self._call = _Call(info=info, native=native, native_pass=native_pass, native_margin=margin, probe=probe)
 
@@ -224,10 +233,9 @@ class ReplayMaskHook:
         if call.info.forward_only and call.probe is None:
             return None
         native = self.seam.assemble(call.native)
-        columns = call.info.moe_columns
         counts = dict.fromkeys(ROUTE_COUNTS, 0.0) if call.probe is not None else self.step_counts
         for index in call.counted:
-            self._count(counts, call.selections[index], native[call.rows_of(index)][:, columns])
+            self._count(counts, call.selections[index], call.token_major(native, index))
         if call.probe is not None:  # a probe pass: its counts, summed over the world, for add_probe
             return counters.sum_counts_over_world(counts)
         return self._close_step() if call.info.last_update else None
@@ -274,12 +282,19 @@ class ReplayMaskHook:
         call = self._call
         if call is None:
             return
-        rows = rows.to(call.native.device)
-        real = rows >= 0  # rows the engine added to pad sequences (TP, CP, SP) have row id -1
-        call.native[rows[real], column] = (native.to(call.native.device)[real] + 1).to(torch.int16)
+        device = call.native.device
+        rows, native = rows.to(device), native.to(device)
+        margin = None
         if call.native_margin is not None and scores is not None:
-            margin = native_margin(scores.detach().float(), native)
-            call.native_margin[rows[real], column] = margin.to(call.native_margin.device)[real]
+            margin = native_margin(scores.detach().float(), native).to(device)
+        block = _row_block(rows)
+        if block is None:  # rows the engine added to pad sequences (TP, CP, SP) have row id -1
+            real = rows >= 0
+            block, native = rows[real], native[real]
+            margin = margin[real] if margin is not None else None
+        call.native[column, block] = native.to(torch.int16) + 1
+        if margin is not None:
+            call.native_margin[column, block] = margin
 
     def add_fisher(self, layer: int, logit_grads: Tensor, valid: Tensor) -> None:
         """Per-token squared router-logit gradients of one MoE layer's valid rows.
@@ -330,9 +345,8 @@ class ReplayMaskHook:
 
     def _keep_native_routes(self, call: _Call, native: Tensor, margin: Tensor) -> None:
         """Keep each sequence's native routes (and margins) of the native pass for the step's replayed passes."""
-        columns = call.info.moe_columns
         for index, selection in call.selections.items():
-            part, margins = native[call.rows_of(index)][:, columns], margin[call.rows_of(index)][:, columns]
+            part, margins = call.token_major(native, index), call.token_major(margin, index)
             bounds = selection.offsets.tolist()
             for key, start, end in zip(selection.keys, bounds[:-1], bounds[1:]):
                 self._native_routes[key] = (part[start:end] - 1, margins[start:end])
@@ -364,3 +378,12 @@ class ReplayMaskHook:
         self.tracker.accumulate((sums / counts.clamp(min=1))[None], counts[None])
         self.tracker.step()
         return int(skipped.sum())
+
+
+def _row_block(rows: Tensor) -> slice | None:
+    """``rows`` as one slice when they are consecutive row ids (no padding): a router's usual share."""
+    count = rows.shape[0]
+    first = int(rows[0]) if count else -1
+    if first < 0 or not torch.equal(rows, torch.arange(first, first + count, dtype=rows.dtype, device=rows.device)):
+        return None
+    return slice(first, first + count)

@@ -32,9 +32,9 @@ def _module(engine: str):
     return importlib.import_module(ENGINES[engine][0])
 
 
-def seam_for(engine: str) -> EngineSeam:
-    """A new seam for ``engine`` (``megatron`` or ``veomni``)."""
-    return getattr(_module(engine), ENGINES[engine][1])()
+def seam_for(engine: str, hook) -> EngineSeam:
+    """A new seam for ``engine`` (``megatron`` or ``veomni``) that reaches ``hook``."""
+    return getattr(_module(engine), ENGINES[engine][1])(hook)
 
 
 def arm(engine: str, make_hook: Callable[[], Any]) -> None:

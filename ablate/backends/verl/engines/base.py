@@ -25,14 +25,15 @@ tensors or to verl's objects. Every name a seam replaces is in :mod:`..entry_poi
 from __future__ import annotations
 
 import abc
+import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-#: extra columns appended to each route: replay mask, valid token, row id + 1 (0 marks padding).
-EXTRA_COLUMNS = 3
+#: the column appended to each route: ``4 * (row id + 1) + 2 * replayed + valid`` (0 marks padding).
+EXTRA_COLUMNS = 1
 #: Outside the schema: R3 micro-batches the hook selected a mask for in the step, reported at
 #: every step's last update call once the hook is installed (0 when verl gave it none), so that
 #: a replay that silently does nothing is seen (:mod:`ablate.backends.verl.liveness`).
@@ -100,6 +101,10 @@ class EngineSeam(abc.ABC):
     #: ``backend.engine``'s value for this engine.
     name: ClassVar[str]
 
+    def __init__(self, hook) -> None:
+        #: the hook this seam hands micro-batches and routers to (:class:`..hook.ReplayMaskHook`).
+        self.hook = hook
+
     @abc.abstractmethod
     def call_info(self, engine, data, forward_only: bool) -> CallInfo | None:
         """The R3 call ``engine.forward_backward_batch(data, ...)`` is about to run, or None."""
@@ -109,8 +114,8 @@ class EngineSeam(abc.ABC):
         """Sum over the ranks that split one micro-batch's routes, each entry written by one of them."""
 
     @abc.abstractmethod
-    def install(self, hook) -> None:
-        """Replace the engine's entry points (:mod:`..entry_points`) so that they reach ``hook``."""
+    def install(self) -> None:
+        """Replace the engine's entry points (:mod:`..entry_points`) so that they reach the hook."""
 
     @abc.abstractmethod
     def uninstall(self) -> None:
@@ -128,7 +133,7 @@ def active_hook():
 def install(hook):
     """Route verl's R3 through ``hook`` in its engine (``hook.seam``). :func:`uninstall` restores verl."""
     uninstall()
-    hook.seam.install(hook)
+    hook.seam.install()
     _ACTIVE.append(hook)
     return hook
 
@@ -141,44 +146,55 @@ def uninstall() -> None:
 
 # -------------------------------------------------------------------- routes with the mask
 def augment_routes(rollout: Tensor, mask: Tensor, valid: Tensor, first_row: int) -> Tensor:
-    """``[rows, layers, topk + 3]`` int32: routes, then replay mask, valid flag and row id + 1.
+    """``[rows, layers, topk + 1]`` int32: routes, then one column packing the replay mask, the valid
+    flag and the row id: ``4 * (row id + 1) + 2 * mask + valid``.
 
     Row ids count from ``first_row``, the micro-batch's first row in the call's token order.
     An engine pads and splits this tensor exactly as it does the routes, so every router gets
-    its own rows' mask, validity and ids; padding the engine adds is all zeros (row id -1).
+    its own rows' mask, validity and ids; padding the engine adds is zeros (row id -1). One
+    column, not three: the engine packs and copies the routes once per router, and so the column.
     """
-    rows, layers, topk = rollout.shape
-    augmented = torch.empty(rows, layers, topk + EXTRA_COLUMNS, dtype=torch.int32, device=rollout.device)
-    augmented[..., :topk] = rollout
-    augmented[..., topk] = mask
-    augmented[..., topk + 1] = valid[:, None]
-    augmented[..., topk + 2] = torch.arange(first_row + 1, first_row + rows + 1, dtype=torch.int32,
-                                            device=rollout.device)[:, None]
-    return augmented
+    rows = rollout.shape[0]
+    row_ids = torch.arange(4 * (first_row + 1), 4 * (first_row + rows + 1), 4, dtype=torch.int32, device=rollout.device)
+    extra = (row_ids + valid.to(torch.int32))[:, None] + 2 * mask.to(torch.int32)
+    return torch.cat([rollout.to(torch.int32), extra[..., None]], dim=-1)
 
 
-@dataclass(frozen=True)
 class LayerTargets:
-    """One router's share of augmented routes, split apart again: what it replays and for which rows."""
+    """One router's share of augmented routes, split apart again: what it replays and for which rows.
 
-    routes: Tensor
-    #: ``[rows]`` True where ablate replays the rollout's route.
-    mask: Tensor
-    #: ``[rows]`` True on the valid tokens (their router-logit gradients feed the Fisher estimate).
-    valid: Tensor
-    #: ``[rows]`` row id in the call's token order, -1 on padding the engine added.
-    rows: Tensor
+    Only ``routes`` is split off at once; the mask, validity and row ids are decoded from the packed
+    column when first read (a router's forward reads the mask and row ids, its backward the
+    validity), since each is a few tensor operations per router and micro-batch.
+    """
+
+    def __init__(self, routes: Tensor, packed: Tensor) -> None:
+        self.routes, self._packed = routes, packed
+
+    @functools.cached_property
+    def mask(self) -> Tensor:
+        """``[rows]`` True where ablate replays the rollout's route."""
+        return (self._packed & 2) != 0
+
+    @functools.cached_property
+    def valid(self) -> Tensor:
+        """``[rows]`` True on the valid tokens (their router-logit gradients feed the Fisher estimate)."""
+        return (self._packed & 1) != 0
+
+    @functools.cached_property
+    def rows(self) -> Tensor:
+        """``[rows]`` row id in the call's token order, -1 on padding the engine added."""
+        return (self._packed >> 2) - 1
 
 
 def split_augmented(targets: Tensor, topk: int) -> LayerTargets:
-    """A router's ``[rows, topk + 3]`` augmented targets as :class:`LayerTargets`."""
+    """A router's ``[rows, topk + 1]`` augmented targets as :class:`LayerTargets`."""
     if targets.shape[-1] != topk + EXTRA_COLUMNS:
         raise RuntimeError(
             f"router replay targets have {targets.shape[-1]} columns: expected topk + {EXTRA_COLUMNS} = "
             f"{topk + EXTRA_COLUMNS} from ablate's augmented routes"
         )
-    return LayerTargets(routes=targets[:, :topk].contiguous(), mask=targets[:, topk].bool(),
-                        valid=targets[:, topk + 1].bool(), rows=targets[:, topk + 2].long() - 1)
+    return LayerTargets(targets[:, :topk].contiguous(), targets[:, topk])
 
 
 # -------------------------------------------------------------------------- one verl call

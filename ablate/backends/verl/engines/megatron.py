@@ -7,8 +7,8 @@ number. The routers apply ``torch.where(mask, replayed, native)`` in
 ``RouterReplay.get_replay_topk``. The seam replaces (:mod:`..entry_points`):
 
 - ``set_router_replay_data``, in ``transformer_impl``'s namespace only: the hook selects a
-  ``[tokens, layers]`` mask and the routes travel with three more columns (mask, valid token,
-  row id + 1). verl packs that augmented tensor exactly like the routes, so every router receives
+  ``[tokens, layers]`` mask and the routes travel with one more column (mask, valid token and
+  row id, packed). verl packs that augmented tensor exactly like the routes, so every router receives
   its own layer's mask and row ids already aligned with its rows; ``set_target_indices``,
   replaced for the length of that call, splits the columns back off and hands the layer's mask
   to verl as its replay mask. No packing logic is duplicated.
@@ -100,8 +100,8 @@ class _Router:
 class MegatronSeam(EngineSeam):
     name = "megatron"
 
-    def __init__(self) -> None:
-        self.hook = None
+    def __init__(self, hook) -> None:
+        super().__init__(hook)
         #: id(RouterReplay) -> its column, set at each micro-batch the router replays.
         self._routers: dict[int, _Router] = {}
         #: id(replay mask tensor handed to verl) -> (that tensor, its rows' targets), for one pass.
@@ -140,9 +140,10 @@ class MegatronSeam(EngineSeam):
         self._targets.clear()
 
     # ------------------------------------------------------------------- install, restore
-    def install(self, hook) -> None:
+    def install(self) -> None:
         """The router half (:meth:`install_routers`) and verl's engine: micro-batches and calls."""
-        self.install_routers(hook)
+        hook = self.hook
+        self.install_routers()
         original_set = ep.original(SET_REPLAY_DATA)
         original_fbb = ep.original(FORWARD_BACKWARD)
 
@@ -155,8 +156,8 @@ class MegatronSeam(EngineSeam):
         ep.replace(SET_REPLAY_DATA, set_router_replay_data)
         ep.replace(FORWARD_BACKWARD, forward_backward_batch)
 
-    def install_routers(self, hook) -> None:
-        """Native routes and Fisher gradients of Megatron's routers reach ``hook``.
+    def install_routers(self) -> None:
+        """Native routes and Fisher gradients of Megatron's routers reach the hook.
 
         It imports only verl's router-replay patch and Megatron's router, not verl's engine, so a
         benchmark can drive the hook where verl's trainer dependencies are not installed.
@@ -165,7 +166,6 @@ class MegatronSeam(EngineSeam):
 
         from verl.utils.megatron.router_replay_patch import apply_router_replay_patch
 
-        self.hook = hook
         # verl applies its patch when an R3 engine is built; applying it first lets us wrap the
         # patched routing. verl's later call returns early for an already patched TopKRouter. The
         # check keeps the router registry intact when the model already exists.
@@ -190,14 +190,13 @@ class MegatronSeam(EngineSeam):
             ep.restore(point)
         self._routers.clear()
         self._targets.clear()
-        self.hook = None
 
     # ----------------------------------------------------------------- verl-facing methods
     def set_router_replay_data(self, original, layers_topk_idx, attention_mask, tf_config, vp_rank=None,
                                replay_mask=None, local_cp_size=None, model=None):
         """verl's ``set_router_replay_data`` with ablate's mask in place of R3's per-token mask."""
         hook = self.hook
-        info = hook.current_call() if hook is not None else None
+        info = hook.current_call()
         if info is None or replay_mask is None or model is None or not getattr(layers_topk_idx, "is_nested", False):
             # Not an R3 micro-batch of an ablate cell (R2, BSHD input, outside a hooked call).
             return original(layers_topk_idx, attention_mask, tf_config, vp_rank, replay_mask=replay_mask,

@@ -11,7 +11,7 @@ recorded route (distinct ids), the native top-k elsewhere. The seam replaces
 (:mod:`..entry_points`):
 
 - ``_prepare_router_replay_inputs``: the hook selects a ``[tokens, layers]`` mask, and the routes
-  travel with three more columns (mask, valid token, row id + 1) through verl's own padding and
+  travel with one more column (mask, valid token and row id, packed) through verl's own padding and
   slicing; ``begin_microbatch``, replaced for the length of that call, splits them back off.
 - ``on_router_forward``: verl's replay, then ``torch.where(mask, replayed, native)`` with the
   router's own layer of ablate's mask; the native top-k goes to the hook, and a gradient hook on
@@ -83,8 +83,8 @@ def logit_gradients(scores: Tensor, score_grads: Tensor) -> Tensor:
 class VeOmniSeam(EngineSeam):
     name = "veomni"
 
-    def __init__(self) -> None:
-        self.hook = None
+    def __init__(self, hook) -> None:
+        super().__init__(hook)
         #: this micro-batch's targets of each layer position, in verl's fire order.
         self._layers: list[LayerTargets] = []
         #: id(router module) -> (the module, its layer position), at its first fire in the micro-batch.
@@ -127,8 +127,8 @@ class VeOmniSeam(EngineSeam):
         self._positions.clear()
 
     # ------------------------------------------------------------------- install, restore
-    def install(self, hook) -> None:
-        self.hook = hook
+    def install(self) -> None:
+        hook = self.hook
         original_prepare = ep.original(PREPARE)
         original_fbb = ep.original(FORWARD_BACKWARD)
         original_forward = ep.original(ON_ROUTER_FORWARD)
@@ -150,7 +150,6 @@ class VeOmniSeam(EngineSeam):
         for point in (PREPARE, FORWARD_BACKWARD, ON_ROUTER_FORWARD, BEGIN_MICRO_BATCH):
             ep.restore(point)
         self.end_pass()
-        self.hook = None
 
     # ----------------------------------------------------------------- verl-facing methods
     def prepare_router_replay_inputs(self, original, engine, micro_batch, output_args):
@@ -158,7 +157,7 @@ class VeOmniSeam(EngineSeam):
         from verl.utils.veomni.router_replay import RouterReplayAction
 
         hook, controller = self.hook, getattr(engine, "_router_replay", None)
-        info = hook.current_call() if hook is not None else None
+        info = hook.current_call()
         routes = micro_batch.get("routed_experts", None)
         if (info is None or controller is None or controller.action is not RouterReplayAction.REPLAY
                 or routes is None or not routes.is_nested):
@@ -177,15 +176,18 @@ class VeOmniSeam(EngineSeam):
         original = ep.original(BEGIN_MICRO_BATCH)
 
         def begin_microbatch(controller, targets=None):
-            layers = [split_augmented(target, topk) for target in targets]
-            original(controller, targets=[layer.routes for layer in layers])
-            self._layers, self._positions = layers, {}
+            original(controller, targets=self.arm_micro_batch(targets, topk))
 
         ep.replace(BEGIN_MICRO_BATCH, begin_microbatch)
         try:
             yield
         finally:
             ep.restore(BEGIN_MICRO_BATCH)
+
+    def arm_micro_batch(self, targets: list[Tensor], topk: int) -> list[Tensor]:
+        """Keep each layer's mask, validity and row ids of a micro-batch's augmented targets; the routes for verl."""
+        self._layers, self._positions = [split_augmented(target, topk) for target in targets], {}
+        return [layer.routes for layer in self._layers]
 
     def on_router_forward(self, original, controller, module, routing_scores: Tensor, top_indices: Tensor) -> Tensor:
         """verl's replay of one router, masked per (token, layer); native routes and gradients to the hook."""
