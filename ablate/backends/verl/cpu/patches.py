@@ -125,7 +125,7 @@ def _no_load_to_gpu() -> None:
     transformer_impl.load_megatron_model_to_gpu = lambda *args, **kwargs: None
 
 
-def _veomni_fp32_compute() -> None:
+def _veomni_full_precision() -> None:
     import functools
 
     from ablate.backends.verl.import_hooks import when_imported
@@ -211,12 +211,12 @@ PATCHES = (
           "verl transformer_impl.load_megatron_model_to_gpu is a no-op: it assumes the distributed optimizer's "
           "buffers; parameter offload and reload are not exercised",
           _no_load_to_gpu),
-    Patch("veomni_fp32_compute",
+    Patch("veomni_full_precision",
           "verl.workers.engine.veomni.transformer_impl: VeOmni's FSDP2 unshards parameters in float32 rather than "
           "bfloat16 (MixedPrecisionConfig's param_dtype, which verl 0.9.1 does not set) and FSDPEngine.forward_step "
           "runs without bf16 autocast (VeOmniEngine._autocast_dtype), so the CPU trainer computes in float32 like the "
           "CPU rollout and replay's effect on the log-probs is not lost in bf16 rounding; bf16 compute is not exercised",
-          _veomni_fp32_compute, ("veomni",)),
+          _veomni_full_precision, ("veomni",)),
 )
 
 _applied: list[str] = []
