@@ -67,7 +67,7 @@ class MicroBatch:
 
     def __init__(self, engine: str, policy: str, routes, native, offsets, experts: int) -> None:
         tokens, layers, topk = routes.shape
-        self.engine, self.routes, self.native, self.offsets, self.topk = engine, routes, native, offsets, topk
+        self.engine, self.routes, self.offsets, self.topk = engine, routes, offsets, topk
         self.hook = ReplayMaskHook(HookSettings(PolicySpec(policy), 0.25, seed=0, engine=engine))
         self.r3_mask = torch.ones(tokens, dtype=torch.bool)
         if engine == "megatron":
@@ -75,8 +75,9 @@ class MicroBatch:
         self.info = CallInfo(forward_only=False, last_update=False, num_tokens=tokens, route_layers=layers,
                              topk=topk, num_experts=experts, layer_columns=tuple(range(layers)))
         self.scores = torch.rand(tokens, experts)
+        self.native_of_layer = [layer.long() for layer in native.unbind(1)]  # a router's own top-k is int64
         self.routers = [torch.nn.Identity() for _ in range(layers)]
-        self.augmented = self.targets = None
+        self.augmented = self.targets = self.replayed = None
         self.hook.begin_call(self.info)  # builds the policy and its Fisher tracker
         self.hook.abort_call()
         tracker = self.hook.tracker
@@ -98,19 +99,21 @@ class MicroBatch:
             self.targets = [layer.to(torch.int64) for layer in self.augmented.permute(1, 0, 2)]
         else:  # _prepare_router_replay_inputs: one int64 copy, unbound into per-layer views
             self.targets = list(self.augmented.to(torch.int64).unbind(1))
+            # verl's own replay of each router (torch.where over its targets) returns a new tensor
+            self.replayed = [target[:, :self.topk].contiguous() for target in self.targets]
 
     def route(self) -> None:
         hook, topk = self.hook, self.topk
         if self.engine == "megatron":
             for layer, routes in enumerate(self.targets):
                 targets = split_augmented(routes, topk)
-                hook.observe(layer, targets.rows, self.native[:, layer].long(), self.scores)
+                hook.observe(layer, targets.rows, self.native_of_layer[layer], self.scores)
         else:
             seam = hook.seam
-            layers = seam.arm_micro_batch(self.targets, topk)
-            for layer, (router, replayed) in enumerate(zip(self.routers, layers)):
+            seam.arm_micro_batch(self.targets, topk)
+            for layer, (router, replayed) in enumerate(zip(self.routers, self.replayed)):
                 seam.on_router_forward(lambda *args, replayed=replayed: replayed, None, router, self.scores,
-                                       self.native[:, layer].long())
+                                       self.native_of_layer[layer])
             seam.end_pass()
 
     def begin(self) -> None:

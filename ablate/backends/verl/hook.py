@@ -277,20 +277,24 @@ class ReplayMaskHook:
         mask[:, call.info.moe_columns] = selection.mask
         return augment_routes(rollout, mask, selection.valid, call.starts[index])
 
-    def observe(self, column: int, rows: Tensor, native: Tensor, scores: Tensor | None = None) -> None:
-        """A router's native top-k of its rows (row ids in the call's token order, -1: padding), and its scores."""
+    def observe(self, column: int, rows: Tensor | slice, native: Tensor, scores: Tensor | None = None) -> None:
+        """A router's native top-k of its rows, and its scores.
+
+        ``rows`` are the rows' ids in the call's token order (-1: padding the engine added), or the
+        one slice they make when consecutive (:attr:`.engines.base.LayerTargets.rows`).
+        """
         call = self._call
         if call is None:
             return
         device = call.native.device
-        rows, native = rows.to(device), native.to(device)
+        native = native.to(device)
         margin = None
         if call.native_margin is not None and scores is not None:
             margin = native_margin(scores.detach().float(), native).to(device)
-        block = _row_block(rows)
-        if block is None:  # rows the engine added to pad sequences (TP, CP, SP) have row id -1
-            real = rows >= 0
-            block, native = rows[real], native[real]
+        block = rows
+        if not isinstance(rows, slice):  # rows the engine added to pad sequences (TP, CP, SP) have row id -1
+            real = rows.to(device) >= 0
+            block, native = rows.to(device)[real], native[real]
             margin = margin[real] if margin is not None else None
         call.native[column, block] = native.to(torch.int16) + 1
         if margin is not None:
@@ -379,11 +383,3 @@ class ReplayMaskHook:
         self.tracker.step()
         return int(skipped.sum())
 
-
-def _row_block(rows: Tensor) -> slice | None:
-    """``rows`` as one slice when they are consecutive row ids (no padding): a router's usual share."""
-    count = rows.shape[0]
-    first = int(rows[0]) if count else -1
-    if first < 0 or not torch.equal(rows, torch.arange(first, first + count, dtype=rows.dtype, device=rows.device)):
-        return None
-    return slice(first, first + count)

@@ -25,7 +25,6 @@ tensors or to verl's objects. Every name a seam replaces is in :mod:`..entry_poi
 from __future__ import annotations
 
 import abc
-import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -163,38 +162,77 @@ def augment_routes(rollout: Tensor, mask: Tensor, valid: Tensor, first_row: int)
 class LayerTargets:
     """One router's share of augmented routes, split apart again: what it replays and for which rows.
 
-    Only ``routes`` is split off at once; the mask, validity and row ids are decoded from the packed
-    column when first read (a router's forward reads the mask and row ids, its backward the
-    validity), since each is a few tensor operations per router and micro-batch.
+    The mask, validity and row ids are decoded from the packed column when first read (a router's
+    forward reads the mask and row ids, its backward the validity), or given already decoded.
     """
 
-    def __init__(self, routes: Tensor, packed: Tensor) -> None:
+    def __init__(self, routes: Tensor, packed: Tensor, *, mask: Tensor | None = None, valid: Tensor | None = None,
+                 rows: Tensor | slice | None = None) -> None:
         self.routes, self._packed = routes, packed
+        self._mask, self._valid, self._rows = mask, valid, rows
 
-    @functools.cached_property
+    @property
     def mask(self) -> Tensor:
         """``[rows]`` True where ablate replays the rollout's route."""
-        return (self._packed & 2) != 0
+        if self._mask is None:
+            self._mask = (self._packed & 2) != 0
+        return self._mask
 
-    @functools.cached_property
+    @property
     def valid(self) -> Tensor:
         """``[rows]`` True on the valid tokens (their router-logit gradients feed the Fisher estimate)."""
-        return (self._packed & 1) != 0
+        if self._valid is None:
+            self._valid = (self._packed & 1) != 0
+        return self._valid
 
-    @functools.cached_property
-    def rows(self) -> Tensor:
-        """``[rows]`` row id in the call's token order, -1 on padding the engine added."""
-        return (self._packed >> 2) - 1
+    @property
+    def rows(self) -> Tensor | slice:
+        """``[rows]`` row id in the call's token order, -1 on padding the engine added; or, when they
+        are consecutive, the one slice of rows they are (:func:`row_block`)."""
+        if self._rows is None:
+            ids = (self._packed >> 2) - 1
+            self._rows = row_block(ids) or ids
+        return self._rows
 
 
 def split_augmented(targets: Tensor, topk: int) -> LayerTargets:
     """A router's ``[rows, topk + 1]`` augmented targets as :class:`LayerTargets`."""
+    _check_columns(targets, topk)
+    return LayerTargets(targets[:, :topk].contiguous(), targets[:, topk])
+
+
+def split_layers(targets: list[Tensor], topk: int) -> list[LayerTargets]:
+    """Every router's ``[rows, topk + 1]`` augmented targets of one micro-batch, split in one pass.
+
+    For an engine that hands all layers' targets at once (VeOmni): the routes stay views of the
+    engine's own tensor, the packed columns are read once for every layer, and the layers share
+    their rows, whose ids are checked for one block once.
+    """
+    for target in targets[:1]:
+        _check_columns(target, topk)
+    packed = torch.stack([target[:, topk] for target in targets])  # [layers, rows]
+    mask, valid = (packed & 2) != 0, (packed & 1) != 0
+    ids = (packed[0] >> 2) - 1
+    rows = row_block(ids) or ids
+    return [LayerTargets(target[:, :topk], packed[layer], mask=mask[layer], valid=valid[layer], rows=rows)
+            for layer, target in enumerate(targets)]
+
+
+def _check_columns(targets: Tensor, topk: int) -> None:
     if targets.shape[-1] != topk + EXTRA_COLUMNS:
         raise RuntimeError(
             f"router replay targets have {targets.shape[-1]} columns: expected topk + {EXTRA_COLUMNS} = "
             f"{topk + EXTRA_COLUMNS} from ablate's augmented routes"
         )
-    return LayerTargets(targets[:, :topk].contiguous(), targets[:, topk])
+
+
+def row_block(rows: Tensor) -> slice | None:
+    """``rows`` as one slice when they are consecutive row ids (no padding): a router's usual share."""
+    count = rows.shape[0]
+    first = int(rows[0]) if count else -1
+    if first < 0 or not torch.equal(rows, torch.arange(first, first + count, dtype=rows.dtype, device=rows.device)):
+        return None
+    return slice(first, first + count)
 
 
 # -------------------------------------------------------------------------- one verl call

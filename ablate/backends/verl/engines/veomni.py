@@ -49,7 +49,7 @@ from ablate.backends.verl.engines.base import (
     hooked_call,
     install,
     r3_call,
-    split_augmented,
+    split_layers,
 )
 from ablate.backends.verl.import_hooks import when_imported
 
@@ -186,7 +186,7 @@ class VeOmniSeam(EngineSeam):
 
     def arm_micro_batch(self, targets: list[Tensor], topk: int) -> list[Tensor]:
         """Keep each layer's mask, validity and row ids of a micro-batch's augmented targets; the routes for verl."""
-        self._layers, self._positions = [split_augmented(target, topk) for target in targets], {}
+        self._layers, self._positions = split_layers(targets, topk), {}
         return [layer.routes for layer in self._layers]
 
     def on_router_forward(self, original, controller, module, routing_scores: Tensor, top_indices: Tensor) -> Tensor:
