@@ -126,7 +126,11 @@ class _Call:
         return slice(self.starts[index], self.starts[index] + self.rows[index])
 
     def token_major(self, layer_major: Tensor, index: int) -> Tensor:
-        """Micro-batch ``index``'s MoE columns of a layer-major buffer, ``[rows, MoE layers, ...]``."""
+        """Micro-batch ``index``'s MoE columns of a layer-major buffer, ``[rows, MoE layers, ...]``.
+
+        Copied token-major: the counters compare it with the rollout's routes slot by slot, which
+        costs more on a transposed view than the one copy.
+        """
         columns = self.info.moe_columns
         part = layer_major[:, self.rows_of(index)]
         if len(columns) != layer_major.shape[0]:

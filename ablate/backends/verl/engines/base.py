@@ -153,10 +153,12 @@ def augment_routes(rollout: Tensor, mask: Tensor, valid: Tensor, first_row: int)
     its own rows' mask, validity and ids; padding the engine adds is zeros (row id -1). One
     column, not three: the engine packs and copies the routes once per router, and so the column.
     """
-    rows = rollout.shape[0]
+    rows, layers, topk = rollout.shape
     row_ids = torch.arange(4 * (first_row + 1), 4 * (first_row + rows + 1), 4, dtype=torch.int32, device=rollout.device)
-    extra = (row_ids + valid.to(torch.int32))[:, None] + 2 * mask.to(torch.int32)
-    return torch.cat([rollout.to(torch.int32), extra[..., None]], dim=-1)
+    augmented = torch.empty(rows, layers, topk + 1, dtype=torch.int32, device=rollout.device)
+    augmented[..., :topk] = rollout  # converted while copied: no int32 copy of the routes in between
+    torch.add((row_ids + valid.to(torch.int32))[:, None], mask, alpha=2, out=augmented[..., topk])
+    return augmented
 
 
 class LayerTargets:
