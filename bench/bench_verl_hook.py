@@ -22,7 +22,9 @@ the same micro-batch's routes, timed right before each row, so that a change of 
 rows does not skew the ratios. Target: at most 10x on one thread, for every engine, policy and
 layout. On a machine shared with other jobs compare ratios only.
 
-    python bench/bench_verl_hook.py [--layers 48] [--experts 128] [--topk 8] [--repeats 15] [--threads 1]
+    python bench/bench_verl_hook.py [--layers 48] [--experts 128] [--topk 8] [--repeats 15] [--threads 1] [--device cpu]
+
+With ``--device cuda`` the routes live on the GPU, as in verl, and every timing waits for the GPU.
 """
 
 from __future__ import annotations
@@ -56,10 +58,17 @@ def median_time(repeats: int, fn: Callable[[], object], setup: Callable[[], obje
     times = []
     for _ in range(repeats + 1):
         setup()
+        synchronize()
         start = time.perf_counter()
         fn()
+        synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 class MicroBatch:
@@ -69,14 +78,15 @@ class MicroBatch:
         tokens, layers, topk = routes.shape
         self.engine, self.routes, self.offsets, self.topk = engine, routes, offsets, topk
         self.hook = ReplayMaskHook(HookSettings(PolicySpec(policy), 0.25, seed=0, engine=engine))
-        self.r3_mask = torch.ones(tokens, dtype=torch.bool)
+        device = routes.device
+        self.r3_mask = torch.ones(tokens, dtype=torch.bool, device=device)
         if engine == "megatron":
             self.r3_mask[offsets[1:] - 1] = False  # Megatron's R3 leaves each sequence's final token native
         self.info = CallInfo(forward_only=False, last_update=False, num_tokens=tokens, route_layers=layers,
                              topk=topk, num_experts=experts, layer_columns=tuple(range(layers)))
-        self.scores = torch.rand(tokens, experts)
+        self.scores = torch.rand(tokens, experts, device=device)
         self.native_of_layer = [layer.long() for layer in native.unbind(1)]  # a router's own top-k is int64
-        self.routers = [torch.nn.Identity() for _ in range(layers)]
+        self.routers = [torch.nn.Identity() for _ in range(layers)]  # VeOmni tells routers apart by identity
         self.augmented = self.targets = self.replayed = None
         self.hook.begin_call(self.info)  # builds the policy and its Fisher tracker
         self.hook.abort_call()
@@ -136,22 +146,26 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
     generator = torch.Generator().manual_seed(0)
     tokens = sum(LAYOUTS["32 x 256"])
     routes = distinct_routes(tokens, args.layers, args.experts, args.topk, generator)
     other = distinct_routes(tokens, args.layers, args.experts, args.topk, generator)
-    native = torch.where(torch.rand(tokens, args.layers, 1, generator=generator) < 0.1, other, routes)
+    native = torch.where(torch.rand(tokens, args.layers, 1, generator=generator) < 0.1, other, routes).to(device)
+    routes = routes.to(device)
     print(f"one micro-batch: {tokens} tokens, {args.layers} layers, {args.experts} experts, top-{args.topk} "
-          f"({routes.numel() * 2 / 2**20:.0f} MiB int16); torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
+          f"({routes.numel() * 2 / 2**20:.0f} MiB int16) on {device}; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} thread(s)")
     print(f"\n{'engine':<9} {'policy':<9} {'layout':<10} {'torch.sum':>10} {'select':>8} {'routers':>8} "
           f"{'counters':>9} {'hook / torch.sum':>17}")
     worst = 0.0
     for engine in ENGINES:
         for name in POLICIES:
             for layout, lengths in LAYOUTS.items():
-                offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+                offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
                 batch = MicroBatch(engine, name, routes, native, offsets, args.experts)
                 baseline = median_time(args.repeats, lambda: torch.sum(routes))
                 select = median_time(args.repeats, batch.select, batch.begin)
