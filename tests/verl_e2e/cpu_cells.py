@@ -23,6 +23,38 @@ PROBES = ("none", "full", f"random@{BUDGET}")
 PROBE_OVERRIDES = (f"probes=[{','.join(PROBES)}]", "probe_every=1")
 
 
+STEPS = 3
+#: What every verl cell's steps carry, defined (not NaN) on every step with recorded routes.
+ALWAYS = ("replay/budget_requested", "replay/budget_realized", "replay/valid_routes", "replay/replayed_routes",
+          "replay/unrecorded_routes", "replay/fisher_fallback", "routing/route_mismatch_rate",
+          "routing/token_mismatch_rate", "routing/topk_overlap", "routing/residual_mismatch_rate",
+          "mismatch/kl_k1", "mismatch/kl_k2", "mismatch/kl_k3", "mismatch/extreme_token_frac",
+          "mismatch/abs_logratio_mean", "mismatch/abs_logratio_max", "train/reward", "train/loss")
+#: Defined where something was replayed (override_rate, effective budget), mismatched (recall) or
+#: estimated (Fisher mass, from the fisher policy's second step on).
+WHERE_DEFINED = ("replay/override_rate", "replay/effective_budget", "routing/mismatch_recall",
+                 "replay/fisher_mass", "replay/fisher_nonfinite")
+
+
+def check_complete_with_every_key(cell: Path, policy: str) -> None:
+    """The cell completed its steps with every key, each the same in the run store and its one W&B run."""
+    from ablate.store import read_json, read_records
+    from ablate.tracking import find_offline_runs, history_frame, read_offline_run
+
+    assert read_json(cell / "status.json")["status"] == "complete", policy
+    frame = read_records(cell)
+    assert list(frame["step"]) == list(range(1, STEPS + 1)), policy
+    missing = [key for key in (*ALWAYS, *WHERE_DEFINED) if key not in frame]
+    assert not missing, (policy, missing)
+    undefined = {key: frame[key].tolist() for key in ALWAYS if frame[key].isna().any()}
+    assert not undefined, (policy, undefined)
+    runs = find_offline_runs(cell / "wandb")
+    assert len(runs) == 1, (policy, runs)
+    history = history_frame(read_offline_run(runs[0]))
+    for key in ALWAYS:
+        assert history[key].tolist() == pytest.approx(frame[key].tolist(), rel=1e-12), (policy, key)
+
+
 def needs_verl_runtime() -> None:
     pytest.importorskip("verl.protocol", reason="verl 0.9.1 is not installed here: build it with .ci/verl-env.sh")
     pytest.importorskip("transfer_queue", reason="verl's runtime packages are missing: run .ci/verl-env.sh")

@@ -21,6 +21,7 @@ layer) and the model's output per token, and the step's metrics, gathered on ran
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 from dataclasses import dataclass, field
@@ -382,6 +383,7 @@ def run(rank: int, layout: Layout, port: int, policies: list[tuple[str, float, d
     from ablate.backends.verl import engines
     from ablate.backends.verl.hook import HookSettings, ReplayMaskHook
     from ablate.policies import PolicySpec
+    from worlds import training_steps
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=layout.world)
@@ -396,19 +398,8 @@ def run(rank: int, layout: Layout, port: int, policies: list[tuple[str, float, d
     for policy, budget, settings in policies:
         chunks = build_chunks(layout, config)
         engines.install(ReplayMaskHook(HookSettings(PolicySpec(policy, settings), budget, seed=5)))
-        steps = []
-        for _ in range(2):
-            calls = [("log_prob", mine, True, False)]
-            calls += [("update", [batch], False, index == len(mine) - 1) for index, batch in enumerate(mine)]
-            step = {"calls": [], "metrics": None}
-            for name, call_batches, forward_only, last in calls:
-                passes, returned, metrics = run_call(layout, config, chunks, call_batches, forward_only=forward_only,
-                                                     last_update=last)
-                step["calls"].append({"name": name, "passes": passes, "returned": returned})
-                step["metrics"] = metrics or step["metrics"]
-            steps.append(step)
+        results[policy] = training_steps(functools.partial(run_call, layout, config, chunks), mine)
         engines.uninstall()
-        results[policy] = steps
     if rank == 0:
         torch.save(results, out_path)
     dist.barrier()

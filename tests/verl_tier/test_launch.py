@@ -333,10 +333,11 @@ def test_the_engines_package_is_checked_before_launch(monkeypatch):
         return real(name)
 
     monkeypatch.setattr(importlib.metadata, "version", version)
-    with pytest.raises(VerlLaunchError, match=r"^backend.engine=veomni needs VeOmni 0.1.12, but it is not installed"):
+    with pytest.raises(VerlLaunchError, match=r"^backend.engine=veomni needs veomni 0.1.12 \(REQUIRED_VERL.txt\), but "
+                                              r"veomni is not installed"):
         check_engine("veomni")
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.1.11" if name == "veomni" else real(name))
-    with pytest.raises(VerlLaunchError, match=r"^veomni==0.1.11 is installed .*: backend.engine=veomni expects veomni==0.1.12"):
+    with pytest.raises(VerlLaunchError, match=r"^veomni==0.1.11 is installed .*: expected veomni==0.1.12 \(REQUIRED_VERL"):
         check_engine("veomni")
 
 

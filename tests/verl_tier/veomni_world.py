@@ -21,6 +21,7 @@ it computed for every (row, layer), and the step's metrics, gathered on rank 0.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from dataclasses import dataclass
@@ -288,29 +289,20 @@ def init(layout: Layout) -> None:
 
 def run_policy(layout: Layout, policy: str, budget: float | None, settings: dict, mine: list[dict],
                steps: int = 2) -> list[dict]:
-    """Two training steps of one policy: an old-log-prob call, then one update call per micro-batch."""
+    """Two training steps of one policy (:func:`worlds.training_steps`)."""
     from ablate.backends.verl import engines
     from ablate.backends.verl.hook import HookSettings, ReplayMaskHook
     from ablate.policies import PolicySpec
 
+    from worlds import training_steps
+
     model, engine = build_engine(layout)
     engines.install(ReplayMaskHook(HookSettings(PolicySpec(policy, settings), budget, seed=5, engine="veomni")))
-    results = []
     try:
-        for _ in range(steps):
-            calls = [("log_prob", mine, True, False)]
-            calls += [("update", [batch], False, index == len(mine) - 1) for index, batch in enumerate(mine)]
-            step = {"calls": [], "metrics": None}
-            for name, call_batches, forward_only, last in calls:
-                passes, returned, metrics = run_call(layout, engine, model, call_batches, forward_only=forward_only,
-                                                     last_update=last)
-                step["calls"].append({"name": name, "passes": passes, "returned": returned})
-                step["metrics"] = metrics or step["metrics"]
-            results.append(step)
+        return training_steps(functools.partial(run_call, layout, engine, model), mine, steps)
     finally:
         engines.uninstall()
         engine._router_replay.uninstall()
-    return results
 
 
 def run(rank: int, layout: Layout, port: int, policies: list[tuple[str, float | None, dict]], out_path: str) -> None:

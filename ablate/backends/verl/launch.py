@@ -127,17 +127,21 @@ def verl_overrides(settings: HookSettings) -> list[str]:
 
 def check_verl(wanted: str = VERL_VERSION) -> str:
     """The installed verl version, or a clear error when it is missing or not the pinned one."""
+    return check_package("verl", wanted, "backend=verl")
+
+
+def check_package(name: str, wanted: str, needed_by: str) -> str:
+    """The installed version of ``name``, or one line when it is missing or not ``wanted``."""
     try:
-        found = importlib.metadata.version("verl")
+        found = importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         raise VerlLaunchError(
-            f"backend=verl needs verl {wanted} (REQUIRED_VERL.txt), but verl is not installed in {sys.executable}: "
+            f"{needed_by} needs {name} {wanted} (REQUIRED_VERL.txt), but {name} is not installed in {sys.executable}: "
             f"install it as REQUIRED_VERL.txt's PIP_INSTALL line says (.ci/verl-env.sh builds such an environment)"
         ) from None
     if found != wanted:
-        raise VerlLaunchError(
-            f"verl=={found} is installed in {sys.executable}: expected verl=={wanted} (REQUIRED_VERL.txt)"
-        )
+        raise VerlLaunchError(f"{name}=={found} is installed in {sys.executable}: expected {name}=={wanted} "
+                              f"(REQUIRED_VERL.txt)")
     return found
 
 
@@ -152,17 +156,7 @@ def check_engine(engine: str) -> None:
 
     launch = engine_launch(engine)
     if launch.name == "veomni":
-        try:
-            found = importlib.metadata.version("veomni")
-        except importlib.metadata.PackageNotFoundError:
-            raise VerlLaunchError(
-                f"backend.engine=veomni needs VeOmni {VEOMNI_VERSION}, but it is not installed in {sys.executable}: "
-                f"pip install --no-deps veomni=={VEOMNI_VERSION} (REQUIRED_VERL.txt; .ci/verl-env.sh installs it)"
-            ) from None
-        if found != VEOMNI_VERSION:
-            raise VerlLaunchError(
-                f"veomni=={found} is installed in {sys.executable}: backend.engine=veomni expects "
-                f"veomni=={VEOMNI_VERSION} (REQUIRED_VERL.txt)")
+        check_package("veomni", VEOMNI_VERSION, "backend.engine=veomni")
     try:
         check_sources(launch.name)
     except EntryPointMissing as missing:

@@ -25,6 +25,7 @@ tensors or to verl's objects. Every name a seam replaces is in :mod:`..entry_poi
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -141,6 +142,29 @@ def uninstall() -> None:
     """Restore every name the active hook's seam replaced."""
     while _ACTIVE:
         _ACTIVE.pop().seam.uninstall()
+
+
+def arm(init_point, is_r3_actor: Callable[[Any], bool], make_hook: Callable[[], Any]) -> None:
+    """Install ``make_hook()`` once this process builds an engine ``is_r3_actor`` accepts.
+
+    ``init_point`` is the engine's ``__init__`` (:mod:`..entry_points`), wrapped when verl imports
+    the engine's module, not before: a process that never builds that engine (the vLLM/SGLang
+    servers, the agent-loop workers) never imports Megatron or VeOmni because of ablate.
+    """
+    from ablate.backends.verl import entry_points as ep
+    from ablate.backends.verl.import_hooks import when_imported
+
+    def wrap(module) -> None:
+        engine_init = ep.original(init_point)
+
+        def __init__(self, *args, **kwargs):
+            engine_init(self, *args, **kwargs)
+            if active_hook() is None and is_r3_actor(self):
+                install(make_hook())
+
+        ep.replace(init_point, __init__)
+
+    when_imported(init_point.module, wrap)
 
 
 # -------------------------------------------------------------------- routes with the mask

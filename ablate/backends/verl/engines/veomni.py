@@ -41,17 +41,15 @@ import torch
 from torch import Tensor
 
 from ablate.backends.verl import entry_points as ep
+from ablate.backends.verl.engines.base import arm as arm_engine
 from ablate.backends.verl.engines.base import (
     CallInfo,
     EngineSeam,
     LayerTargets,
-    active_hook,
     hooked_call,
-    install,
     r3_call,
     split_layers,
 )
-from ablate.backends.verl.import_hooks import when_imported
 
 ENGINE_MODULE = "verl.workers.engine.veomni.transformer_impl"
 _REPLAY = "verl.utils.veomni.router_replay"
@@ -223,16 +221,5 @@ def is_r3_actor(engine) -> bool:
 
 
 def arm(make_hook: Callable[[], Any]) -> None:
-    """Install ``make_hook()`` when this process builds an R3 VeOmni actor engine (wrapped once verl imports it)."""
-
-    def wrap(module) -> None:
-        engine_init = ep.original(INIT)
-
-        def __init__(self, *args, **kwargs):
-            engine_init(self, *args, **kwargs)
-            if active_hook() is None and is_r3_actor(self):
-                install(make_hook())
-
-        ep.replace(INIT, __init__)
-
-    when_imported(ENGINE_MODULE, wrap)
+    """Install ``make_hook()`` when this process builds an R3 VeOmni actor engine (:func:`.base.arm`)."""
+    arm_engine(INIT, is_r3_actor, make_hook)
