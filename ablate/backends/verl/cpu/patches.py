@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ablate.backends.verl.import_hooks import when_imported
+
 
 MEGATRON = ("megatron",)
 EVERY_ENGINE = ("megatron", "veomni")
@@ -34,15 +36,18 @@ class Patch:
 
 def _gloo_process_group() -> None:
     import verl.utils.distributed as distributed
-    import verl.workers.engine_workers as engine_workers  # imports the function by name
 
     original = distributed.initialize_global_process_group_ray
 
     def initialize(timeout_second=None, backend=None):
         return original(timeout_second=timeout_second, backend=backend or "gloo")
 
+    def by_name(engine_workers) -> None:  # it imports the function by name
+        engine_workers.initialize_global_process_group_ray = initialize
+
     distributed.initialize_global_process_group_ray = initialize
-    engine_workers.initialize_global_process_group_ray = initialize
+    # Once imported, not before: verl's worker module imports every engine (seconds in each process).
+    when_imported("verl.workers.engine_workers", by_name)
 
 
 def _local_layer_spec() -> None:
@@ -120,15 +125,14 @@ def _te_gemm_name() -> None:
 
 
 def _no_load_to_gpu() -> None:
-    import verl.workers.engine.megatron.transformer_impl as transformer_impl
+    def no_load(transformer_impl) -> None:
+        transformer_impl.load_megatron_model_to_gpu = lambda *args, **kwargs: None
 
-    transformer_impl.load_megatron_model_to_gpu = lambda *args, **kwargs: None
+    when_imported("verl.workers.engine.megatron.transformer_impl", no_load)
 
 
 def _veomni_full_precision() -> None:
     import functools
-
-    from ablate.backends.verl.import_hooks import when_imported
 
     def compute_in_fp32(transformer_impl) -> None:
         transformer_impl.MixedPrecisionConfig = functools.partial(transformer_impl.MixedPrecisionConfig,
