@@ -8,9 +8,10 @@ and nothing else:
   forward-only or update, the step's last update, route layers, top-k, experts, each decoder
   layer's column in the route tensor): :func:`hooked_call` frames every verl call with it;
 - each micro-batch's rollout routes, handed to :meth:`ReplayMaskHook.augmented_routes`, whose
-  mask the seam sends through the engine's own packing as extra route columns
-  (:func:`augment_routes`, :func:`split_augmented`), so that every router receives its layer's
-  mask and row ids aligned with its rows without ablate repeating verl's packing;
+  mask the seam sends through the engine's own packing as one extra route column
+  (:func:`augment_routes`, :func:`split_augmented`, :func:`split_layers`), so that every router
+  receives its layer's mask and row ids aligned with its rows without ablate repeating verl's
+  packing;
 - each router's native top-k and the mask applied to it (``torch.where(mask, replayed, native)``),
   reported with :meth:`ReplayMaskHook.observe` and, where gradients flow, router-logit
   gradients with :meth:`ReplayMaskHook.add_fisher`;
