@@ -278,6 +278,8 @@ def test_a_veomni_cell_sets_verls_own_veomni_keys_and_passes_verls_validation(po
     ("megatron", "actor_rollout_ref.actor.strategy=veomni", "set backend.engine=veomni to run the VeOmni"),
     ("megatron", "trainer.device=npu", "verl's MindSpeed engine is not one ablate's hook replays through"),
     ("veomni", "actor_rollout_ref.model.use_remove_padding=False", "use_remove_padding=False with backend.engine=veomni"),
+    ("veomni", "actor_rollout_ref.actor.veomni.router_replay.mode=R2", "router_replay.mode=R2: ablate's masks choose"),
+    ("megatron", "actor_rollout_ref.actor.megatron.router_replay.mode=R2", "router_replay.mode=R2: ablate's masks"),
     ("veomni", "actor_rollout_ref.actor.veomni.ulysses_parallel_size=2",
      "ulysses_parallel_size=2 with attn_implementation=flash_attention_2: VeOmni's Ulysses sequence parallelism needs"),
 ])

@@ -190,7 +190,11 @@ def check_cell_config(config, policy: str, plugins: Sequence[str] = (), probes: 
     if mode == "disabled":
         return
     check_strategy(actor.strategy, launch, OmegaConf.select(config, "trainer.device", default="cuda"))
-    if mode == "R3" and not config.actor_rollout_ref.rollout.enable_rollout_routing_replay:
+    if mode != "R3":
+        raise VerlLaunchError(
+            f"{launch.mode_key}={mode}: ablate's masks choose among the routes the rollout recorded, which verl "
+            f"replays in R3; set {launch.mode_key}=R3")
+    if not config.actor_rollout_ref.rollout.enable_rollout_routing_replay:
         raise VerlLaunchError(
             f"{launch.mode_key}=R3 but {ROLLOUT_ROUTES_KEY}=False: the rollout engine would return no routed_experts"
         )
