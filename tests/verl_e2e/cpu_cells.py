@@ -6,6 +6,7 @@ import importlib.metadata
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -84,22 +85,29 @@ def run_ablate(store: Path, assets: Path, *args: str, timeout: float = 1200) -> 
 
 
 class Background:
-    """The command as a user types it, running while others run; :meth:`wait` gives what :func:`run_ablate` does."""
+    """The command as a user types it, running while others run; :meth:`wait` gives what :func:`run_ablate` does,
+    with the seconds until the command ended (not until it was waited for)."""
 
     def __init__(self, store: Path, assets: Path, *args: str) -> None:
         self.command = ablate_command(store, assets, *args)
         self.out, self.err = (store.parent / f"ablate.{name}" for name in ("out", "err"))
         self.started = time.monotonic()
+        self.seconds: float | None = None
         with open(self.out, "w") as out, open(self.err, "w") as err:  # files: two pipes left unread would block
             self.process = subprocess.Popen(self.command, stdout=out, stderr=err, text=True, cwd=store.parent,
                                             env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+        self.reaper = threading.Thread(target=self._reap, daemon=True)
+        self.reaper.start()
+
+    def _reap(self) -> None:
+        self.process.wait()
+        self.seconds = time.monotonic() - self.started
 
     def wait(self, timeout: float) -> tuple[subprocess.CompletedProcess, float]:
-        try:
-            self.process.wait(timeout=max(1.0, self.started + timeout - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        self.reaper.join(max(1.0, self.started + timeout - time.monotonic()))
+        if self.seconds is None:
             self.process.kill()
-            raise
+            raise subprocess.TimeoutExpired(self.command, timeout)
         done = subprocess.CompletedProcess(self.command, self.process.returncode, self.out.read_text(),
                                            self.err.read_text())
-        return done, time.monotonic() - self.started
+        return done, self.seconds
