@@ -277,8 +277,10 @@ class ReplayMaskHook:
             selection = call.selections[index] = self._select(call, rollout, r3_mask, offsets)
         if counted:
             call.counted.append(index)
-        mask = torch.zeros(rollout.shape[:2], dtype=torch.bool, device=rollout.device)
-        mask[:, call.info.moe_columns] = selection.mask
+        mask = selection.mask
+        if mask.shape[1] != rollout.shape[1]:  # dense layers' columns replay nothing
+            mask = torch.zeros(rollout.shape[:2], dtype=torch.bool, device=rollout.device)
+            mask[:, call.info.moe_columns] = selection.mask
         return augment_routes(rollout, mask, selection.valid, call.starts[index])
 
     def observe(self, column: int, rows: Tensor | slice, native: Tensor, scores: Tensor | None = None) -> None:
