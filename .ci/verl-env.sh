@@ -25,6 +25,13 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 # What verl 0.9.1's main_ppo itself imports at run time (its verl-core and mcore extras, less the
 # CUDA ones): the CPU end-to-end tier (tests/verl_e2e, backend=verl_cpu) runs the whole trainer.
 "${PIP[@]}" torch==2.13.0 "TransferQueue==0.1.11" pyzmq msgspec aiohttp "mbridge==0.15.1" einops prometheus_client
+# VeOmni, for backend.engine=veomni (verl's VeOmni engine, FSDP2), CPU-only and without its
+# dependencies. verl 0.9.1's own extra (veomni-sft) pins veomni==0.1.11, whose Qwen3-MoE modeling
+# was generated against transformers 5.2 and fails under the transformers verl 0.9.1 needs
+# (create_causal_mask() got an unexpected keyword argument 'cache_position'); 0.1.12's, generated
+# against transformers 5.9, runs. VeOmni's requirements would downgrade datasets to <=2.21 and its
+# gpu extra is CUDA wheels (flash-attn, nccl): everything the engine imports of it is already here.
+"${PIP[@]}" --no-deps veomni==0.1.12
 # ablate itself, editable, plus the core runtime deps from pyproject.toml (torch is already pinned).
 "${PIP[@]}" torch==2.13.0 "optuna>=4.0" "wandb>=0.31" "filelock>=3.12" "psutil>=5.9" "tqdm>=4.66"
 # The analysis extra: the CPU tier analyses the sweep it ran.
@@ -35,6 +42,6 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
-for name in ("torch", "verl", "megatron-core", "tensordict", "transformers", "mbridge", "TransferQueue"):
+for name in ("torch", "verl", "megatron-core", "veomni", "tensordict", "transformers", "mbridge", "TransferQueue"):
     print(f"{name}=={md.version(name)}")
 PY

@@ -1,23 +1,28 @@
-"""The verl hook's own work per micro-batch, against one ``torch.sum`` over its routes (CPU).
+"""The verl hook's own work per micro-batch in each engine, against one ``torch.sum`` over its routes (CPU).
 
 For one micro-batch of 8,192 tokens (48 MoE layers, 128 experts, top-8, int16: verl's
 ``routed_experts``) laid out as 32 sequences of 256 tokens and as 3 sequences of 2,731, it
-times what the hook adds to verl's R3 on the rank that counts the micro-batch:
+times what the hook adds to verl's R3 on the rank that counts the micro-batch, through the real
+:class:`ablate.backends.verl.hook.ReplayMaskHook` and each engine's seam:
 
-- selection (:func:`ablate.backends.verl.selection.select_micro_batch`): recorded-route check,
-  per-sequence keys and generators, one batched per-sequence policy selection;
-- the augmented routes verl packs for the routers (:func:`ablate.backends.verl.patch.augment_routes`);
-- the counters (:func:`ablate.backends.verl.counters.micro_batch_counts`): every route count
-  behind the ``replay/`` and ``routing/`` keys, against native routes that differ from the
-  rollout's on about 10% of routes.
+- select: the micro-batch's selection (recorded-route check, per-sequence keys and generators,
+  one batched per-sequence policy selection) and the augmented routes the engine packs
+  (``ReplayMaskHook.augmented_routes``);
+- routers: what the seam does at each of the 48 routers, given the targets verl hands it (verl's
+  own packing is not timed): Megatron splits ablate's columns off each router's int64 targets
+  and reports the native top-k to the hook; VeOmni splits the per-layer targets
+  (``VeOmniSeam.arm_micro_batch``), applies the mask and reports the native top-k
+  (``VeOmniSeam.on_router_forward``, verl's own replay stood in for by the targets);
+- counters: the route counts behind the ``replay/`` and ``routing/`` keys at the end of the call
+  (``ReplayMaskHook.end_call``), against native routes that differ from the rollout's on about
+  10% of routes, and the Fisher mass of the mask.
 
-Each is printed as a ratio to ``torch.sum`` over the same micro-batch's routes, timed right
-before each row (median of ``--repeats``), so that a change of load between rows does not skew
-the ratios. Targets: at most 10x, and the hook's time for the two layouts within 1.5x of each
-other (compared directly: both are measured in the same run, and the sum of a cache-resident
-6 MiB tensor jitters more than the hook does). On a machine shared with other jobs compare ratios only.
+Each is the median of ``--repeats``; the hook's total is printed as a ratio to ``torch.sum`` over
+the same micro-batch's routes, timed right before each row, so that a change of load between
+rows does not skew the ratios. Target: at most 10x on one thread, for every engine, policy and
+layout. On a machine shared with other jobs compare ratios only.
 
-    python bench/bench_verl_hook.py [--layers 48] [--experts 128] [--topk 8] [--repeats 15] [--device cpu]
+    python bench/bench_verl_hook.py [--layers 48] [--experts 128] [--topk 8] [--repeats 15] [--threads 1] [--device cpu]
 
 With ``--device cuda`` the routes live on the GPU, as in verl, and every timing waits for the GPU.
 """
@@ -27,16 +32,18 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
-from ablate.backends.verl.counters import micro_batch_counts
-from ablate.backends.verl.patch import augment_routes
-from ablate.backends.verl.selection import select_micro_batch
+from ablate.backends.verl.engines import CallInfo
+from ablate.backends.verl.engines.base import split_augmented
+from ablate.backends.verl.hook import HookSettings, ReplayMaskHook
 from ablate.policies import PolicySpec
 
 LAYOUTS = {"32 x 256": [256] * 32, "3 x 2,731": [2731, 2731, 2730]}
-POLICIES = [("random", {}), ("uniform", {}), ("fisher", {}), ("mismatch", {})]
+POLICIES = ("random", "uniform", "fisher", "mismatch")
+ENGINES = ("megatron", "veomni")
 
 
 def distinct_routes(tokens: int, layers: int, experts: int, topk: int, generator: torch.Generator) -> torch.Tensor:
@@ -46,20 +53,90 @@ def distinct_routes(tokens: int, layers: int, experts: int, topk: int, generator
     return ((start + step * torch.arange(topk, dtype=torch.int32)) % experts).to(torch.int16)
 
 
-def median_time(repeats: int, fn, device: torch.device) -> float:
+def median_time(repeats: int, fn: Callable[[], object], setup: Callable[[], object] = lambda: None) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` calls (after one warm-up), ``setup()`` untimed before each."""
     times = []
-    for _ in range(repeats + 1):  # the first call warms up (allocator, CUDA kernels)
-        synchronize(device)
+    for _ in range(repeats + 1):
+        setup()
+        synchronize()
         start = time.perf_counter()
         fn()
-        synchronize(device)
+        synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class MicroBatch:
+    """One micro-batch through one engine's seam: the hook's calls as the engine makes them."""
+
+    def __init__(self, engine: str, policy: str, routes, native, offsets, experts: int) -> None:
+        tokens, layers, topk = routes.shape
+        self.engine, self.routes, self.offsets, self.topk = engine, routes, offsets, topk
+        self.hook = ReplayMaskHook(HookSettings(PolicySpec(policy), 0.25, seed=0, engine=engine))
+        device = routes.device
+        self.r3_mask = torch.ones(tokens, dtype=torch.bool, device=device)
+        if engine == "megatron":
+            self.r3_mask[offsets[1:] - 1] = False  # Megatron's R3 leaves each sequence's final token native
+        self.info = CallInfo(forward_only=False, last_update=False, num_tokens=tokens, route_layers=layers,
+                             topk=topk, num_experts=experts, layer_columns=tuple(range(layers)))
+        self.scores = torch.rand(tokens, experts, device=device)
+        self.native_of_layer = [layer.long() for layer in native.unbind(1)]  # a router's own top-k is int64
+        self.routers = [torch.nn.Identity() for _ in range(layers)]  # VeOmni tells routers apart by identity
+        self.augmented = self.targets = self.replayed = None
+        self.hook.begin_call(self.info)  # builds the policy and its Fisher tracker
+        self.hook.abort_call()
+        tracker = self.hook.tracker
+        tracker.accumulate(torch.rand(1, layers, experts, dtype=torch.float64), torch.ones(1, layers, experts))
+        tracker.step()  # an estimate exists: fisher ranks by it, every policy reports its Fisher mass
+        if self.hook.needs_native:  # the step's native pass: mismatch selects on its native routes
+            self.hook.begin_call(self.info, native_pass=True)
+            self.select()
+            self.pack()
+            self.route()
+            self.hook.end_call()
+
+    def select(self) -> None:
+        self.augmented = self.hook.augmented_routes(0, self.routes, self.r3_mask, self.offsets, counted=True)
+
+    def pack(self) -> None:
+        """verl's own work on the augmented routes (untimed): each router's int64 targets."""
+        if self.engine == "megatron":  # set_router_replay_data: one layer-major int64 copy per router
+            self.targets = [layer.to(torch.int64) for layer in self.augmented.permute(1, 0, 2)]
+        else:  # _prepare_router_replay_inputs: one int64 copy, unbound into per-layer views
+            self.targets = list(self.augmented.to(torch.int64).unbind(1))
+            # verl's own replay of each router (torch.where over its targets) returns a new tensor
+            self.replayed = [target[:, :self.topk].contiguous() for target in self.targets]
+
+    def route(self) -> None:
+        hook, topk = self.hook, self.topk
+        if self.engine == "megatron":
+            for layer, routes in enumerate(self.targets):
+                targets = split_augmented(routes, topk)
+                hook.observe(layer, targets.rows, self.native_of_layer[layer], self.scores)
+        else:
+            seam = hook.seam
+            seam.arm_micro_batch(self.targets, topk)
+            for layer, (router, replayed) in enumerate(zip(self.routers, self.replayed)):
+                seam.on_router_forward(lambda *args, replayed=replayed: replayed, None, router, self.scores,
+                                       self.native_of_layer[layer])
+            seam.end_pass()
+
+    def begin(self) -> None:
+        self.hook.begin_call(self.info)
+
+    def selected_call(self) -> None:
+        self.begin()
+        self.select()
+        self.pack()
+
+    def routed_call(self) -> None:
+        self.selected_call()
+        self.route()
 
 
 def main() -> None:
@@ -68,8 +145,10 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     generator = torch.Generator().manual_seed(0)
     tokens = sum(LAYOUTS["32 x 256"])
@@ -77,44 +156,26 @@ def main() -> None:
     other = distinct_routes(tokens, args.layers, args.experts, args.topk, generator)
     native = torch.where(torch.rand(tokens, args.layers, 1, generator=generator) < 0.1, other, routes).to(device)
     routes = routes.to(device)
-    native_plus_one = native + 1  # the hook's assembled buffer: native id + 1
     print(f"one micro-batch: {tokens} tokens, {args.layers} layers, {args.experts} experts, top-{args.topk} "
           f"({routes.numel() * 2 / 2**20:.0f} MiB int16) on {device}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
-    print(f"\n{'policy':<10} {'layout':<10} {'torch.sum':>10} {'selection':>10} {'+ augment':>10} {'+ counters':>11} "
-          f"{'hook / torch.sum':>17}")
-    results: dict[str, dict[str, float]] = {}  # policy -> layout -> the hook's time
-    for name, settings in POLICIES:
-        policy, tracker = PolicySpec(name, settings).build(args.layers, args.experts)
-        scores = torch.rand(args.layers, args.experts, generator=generator)
-        tracker.accumulate(scores[None].double(), torch.ones(1, args.layers, args.experts))
-        tracker.step()  # an estimate exists: fisher ranks by it, every policy reports its Fisher mass
-        fisher = tracker.scores().to(device)
-        for layout, lengths in LAYOUTS.items():
-            offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
-            r3_mask = torch.ones(tokens, dtype=torch.bool, device=device)
-            r3_mask[offsets[1:] - 1] = False  # R3 leaves each sequence's final token native
-            known = torch.ones(tokens, dtype=torch.bool, device=device)
-            mismatch = {"native": native, "has_native": known} if name == "mismatch" else {}
-
-            def select():
-                return select_micro_batch(policy, 0.25, 0, routes, r3_mask, offsets, args.experts, **mismatch)
-
-            baseline = median_time(args.repeats, lambda: torch.sum(routes), device)
-            selection = select()
-            full_mask = selection.mask
-            select_time = median_time(args.repeats, select, device)
-            augment_time = median_time(args.repeats, lambda: augment_routes(routes, full_mask, selection.valid, 0), device)
-            count_time = median_time(
-                args.repeats, lambda: micro_batch_counts(selection, native_plus_one, args.experts, fisher), device)
-            total = select_time + augment_time + count_time
-            results.setdefault(name, {})[layout] = total
-            print(f"{name:<10} {layout:<10} {baseline * 1e3:>8.2f}ms {select_time * 1e3:>8.1f}ms "
-                  f"{augment_time * 1e3:>8.1f}ms {count_time * 1e3:>9.1f}ms {total / baseline:>16.1f}x")
-    print("\nlayouts: the hook's time, slower layout over faster (target at most 1.5x)")
-    for name, ratios in results.items():
-        values = list(ratios.values())
-        print(f"  {name:<10} {max(values) / min(values):.2f}x")
+          f"{torch.get_num_threads()} thread(s)")
+    print(f"\n{'engine':<9} {'policy':<9} {'layout':<10} {'torch.sum':>10} {'select':>8} {'routers':>8} "
+          f"{'counters':>9} {'hook / torch.sum':>17}")
+    worst = 0.0
+    for engine in ENGINES:
+        for name in POLICIES:
+            for layout, lengths in LAYOUTS.items():
+                offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
+                batch = MicroBatch(engine, name, routes, native, offsets, args.experts)
+                baseline = median_time(args.repeats, lambda: torch.sum(routes))
+                select = median_time(args.repeats, batch.select, batch.begin)
+                routers = median_time(args.repeats, batch.route, batch.selected_call)
+                counters = median_time(args.repeats, batch.hook.end_call, batch.routed_call)
+                total = select + routers + counters
+                worst = max(worst, total / baseline)
+                print(f"{engine:<9} {name:<9} {layout:<10} {baseline * 1e3:>8.2f}ms {select * 1e3:>6.1f}ms "
+                      f"{routers * 1e3:>6.1f}ms {counters * 1e3:>7.1f}ms {total / baseline:>16.1f}x")
+    print(f"\nthe slowest row: {worst:.1f}x torch.sum (target: at most 10x)")
 
 
 if __name__ == "__main__":

@@ -71,9 +71,9 @@ def main() -> None:
     import megatron_world as world
     from megatron.core import parallel_state as mpu
 
-    from ablate.backends.verl import patch
+    from ablate.backends.verl.engines import CallInfo
+    from ablate.backends.verl.engines.megatron import layer_columns
     from ablate.backends.verl.hook import HookSettings, ReplayMaskHook
-    from ablate.backends.verl.selection import layer_columns
     from ablate.policies import PolicySpec
     from verl.utils.megatron import router_replay_utils
     from verl.utils.megatron.router_replay_patch import RouterReplay, RouterReplayAction
@@ -116,17 +116,17 @@ def main() -> None:
         tokens = sum(lengths)
         if hook is not None:
             columns = layer_columns(config, args.layers)
-            hook.begin_call(patch.CallInfo(forward_only=forward_only, last_update=last_update, num_tokens=tokens,
-                                           route_layers=args.layers, topk=args.topk, num_experts=args.experts,
-                                           layer_columns=columns))
+            hook.begin_call(CallInfo(forward_only=forward_only, last_update=last_update, num_tokens=tokens,
+                                     route_layers=args.layers, topk=args.topk, num_experts=args.experts,
+                                     layer_columns=columns))
         RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         aligned = align_r3_router_replay_data(routes, input_ids)
         mask = build_r3_replay_mask(input_ids, response)
         if hook is None:
             router_replay_utils.set_router_replay_data(aligned, None, config, 0, replay_mask=mask, model=block)
         else:
-            hook.set_router_replay_data(router_replay_utils.set_router_replay_data, aligned, None, config, 0,
-                                        replay_mask=mask, model=block)
+            hook.seam.set_router_replay_data(router_replay_utils.set_router_replay_data, aligned, None, config, 0,
+                                             replay_mask=mask, model=block)
         hidden = torch.randn(tokens, 1, args.hidden, device=device, dtype=shape.dtype, requires_grad=not forward_only)
         with torch.set_grad_enabled(not forward_only):
             output = block(hidden, attention_mask=None)
@@ -135,6 +135,7 @@ def main() -> None:
             output.float().square().mean().backward()
         if hook is not None:
             hook.end_call()
+            hook.seam.end_pass()
         RouterReplay.clear_global_indices()
         RouterReplay.clear_global_router_replay_action()
 
@@ -144,11 +145,12 @@ def main() -> None:
         plain = median_time(args.repeats, lambda: step(lengths, *batch, None), device)
         print(f"{layout_name:<10} {'R3 (verl)':<18} {plain * 1e3:>17.1f}")
         for policy in args.policies.split(","):
-            hook = patch.wrap_routers(ReplayMaskHook(HookSettings(PolicySpec(policy), 0.25, seed=0)))
+            hook = ReplayMaskHook(HookSettings(PolicySpec(policy), 0.25, seed=0))
+            hook.seam.install_routers()
             step(lengths, *batch, hook, last_update=True)  # one closed step: fisher has an estimate
             step(lengths, *batch, hook, forward_only=True)  # the old-log-prob pass: mismatch's native routes
             hooked = median_time(args.repeats, lambda: step(lengths, *batch, hook), device)  # updates in that step
-            patch.uninstall()
+            hook.seam.uninstall()
             print(f"{layout_name:<10} {'ablate ' + policy:<18} {hooked * 1e3:>17.1f} {(hooked - plain) / plain:>13.1%}")
     if device.type == "cuda":
         print(f"\npeak GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")

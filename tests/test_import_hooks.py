@@ -31,3 +31,18 @@ def test_a_callback_waits_for_the_import_then_sees_the_whole_module(tmp_path, mo
     assert seen == ["ablate_hook_probe.late"] * 2 and late.VALUE == 43
     for name in ("ablate_hook_probe.late", "ablate_hook_probe"):
         sys.modules.pop(name)
+
+
+def test_every_callback_waiting_for_one_module_runs_in_the_order_asked(tmp_path, monkeypatch):
+    """The hook's engine arming and the CPU plugin's stand-ins both wait for verl's engine modules."""
+    (tmp_path / "ablate_hook_twice.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    finders = list(sys.meta_path)
+    when_imported("ablate_hook_twice", lambda module: seen.append(("first", module.VALUE)))
+    when_imported("ablate_hook_twice", lambda module: seen.append(("second", module.VALUE)))
+    import ablate_hook_twice  # noqa: F401
+
+    assert seen == [("first", 1), ("second", 1)]
+    assert sys.meta_path == finders
+    sys.modules.pop("ablate_hook_twice")

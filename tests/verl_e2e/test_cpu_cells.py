@@ -12,23 +12,20 @@ import math
 import pandas as pd
 import pytest
 
-from cpu_cells import BUDGET, CELLS, EXAMPLE, POLICIES, PROBES, cell_dir, needs_verl_runtime
+from cpu_cells import (
+    BUDGET,
+    CELLS,
+    EXAMPLE,
+    POLICIES,
+    PROBES,
+    STEPS,
+    cell_dir,
+    check_complete_with_every_key,
+    needs_verl_runtime,
+)
 
 needs_verl_runtime()
 pytestmark = [pytest.mark.slow, pytest.mark.verl]
-
-STEPS = 3
-#: What every verl cell's steps carry, defined (not NaN) on every step with recorded routes.
-ALWAYS = ("replay/budget_requested", "replay/budget_realized", "replay/valid_routes", "replay/replayed_routes",
-          "replay/unrecorded_routes", "replay/fisher_fallback", "routing/route_mismatch_rate",
-          "routing/token_mismatch_rate", "routing/topk_overlap", "routing/residual_mismatch_rate",
-          "mismatch/kl_k1", "mismatch/kl_k2", "mismatch/kl_k3", "mismatch/extreme_token_frac",
-          "mismatch/abs_logratio_mean", "mismatch/abs_logratio_max", "train/reward", "train/loss")
-#: Defined where something was replayed (override_rate, effective budget), mismatched (recall) or
-#: estimated (Fisher mass, from the fisher policy's second step on).
-WHERE_DEFINED = ("replay/override_rate", "replay/effective_budget", "routing/mismatch_recall",
-                 "replay/fisher_mass", "replay/fisher_nonfinite")
-
 
 def records(store, policy) -> pd.DataFrame:
     from ablate.store import read_records
@@ -37,21 +34,8 @@ def records(store, policy) -> pd.DataFrame:
 
 
 def test_every_policy_completes_with_every_key_from_the_store_and_the_wandb_run(policy_store):
-    from ablate.store import read_json
-    from ablate.tracking import find_offline_runs, history_frame, read_offline_run
-
     for policy in (*POLICIES, *EXAMPLE):
-        cell = cell_dir(policy_store / "cpu", CELLS[policy])
-        assert read_json(cell / "status.json")["status"] == "complete", policy
-        frame = records(policy_store, policy)
-        assert list(frame["step"]) == list(range(1, STEPS + 1)), policy
-        missing = [key for key in (*ALWAYS, *WHERE_DEFINED) if key not in frame]
-        assert not missing, (policy, missing)
-        undefined = {key: frame[key].tolist() for key in ALWAYS if frame[key].isna().any()}
-        assert not undefined, (policy, undefined)
-        history = history_frame(read_offline_run(find_offline_runs(cell / "wandb")[0]))
-        for key in ALWAYS:
-            assert history[key].tolist() == pytest.approx(frame[key].tolist(), rel=1e-12), (policy, key)
+        check_complete_with_every_key(cell_dir(policy_store / "cpu", CELLS[policy]), policy)
 
 
 def test_replayed_routes_are_the_budgets_count_of_the_recorded_routes(policy_store):

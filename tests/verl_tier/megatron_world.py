@@ -21,6 +21,7 @@ layer) and the model's output per token, and the step's metrics, gathered on ran
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 from dataclasses import dataclass, field
@@ -279,7 +280,7 @@ def run_call(layout: Layout, config, chunks, batches: list[dict], *, forward_onl
              last_update: bool) -> tuple[list[dict], int, dict[str, float] | None]:
     """One ``forward_backward_batch`` call of verl's Megatron engine with R3, through the hook's wrapper.
 
-    The call is described by verl's own batch TensorDict and goes through ``patch.hooked_call``,
+    The call is described by verl's own batch TensorDict and goes through ``engines.hooked_call``,
     as verl's engine method does once the hook is installed; the micro-batch loop stands in for
     Megatron's schedule. Returns every pass the call ran (``mismatch``'s old-log-prob call runs a
     native pass first), each with the experts every router used and the model's output per token
@@ -292,7 +293,7 @@ def run_call(layout: Layout, config, chunks, batches: list[dict], *, forward_onl
     from megatron.core import parallel_state as mpu
     from tensordict import TensorDict
 
-    from ablate.backends.verl import patch
+    from ablate.backends.verl import engines
     from verl.utils import tensordict_utils as tu
     from verl.utils.megatron.router_replay_patch import RouterReplay, RouterReplayAction
     from verl.utils.megatron.router_replay_utils import (
@@ -360,7 +361,7 @@ def run_call(layout: Layout, config, chunks, batches: list[dict], *, forward_onl
         passes.append({"used": gather_ranks(capture.used), "outputs": gather_ranks(outputs)})
         return {"metrics": {}, "pass": len(passes) - 1}
 
-    output = patch.hooked_call(patch.active_hook(), forward_backward_batch, SimpleNamespace(tf_config=config), data,
+    output = engines.hooked_call(engines.active_hook(), forward_backward_batch, SimpleNamespace(tf_config=config), data,
                                None, forward_only)
     metrics = {key: values[0] for key, values in output["metrics"].items()} or None
     return passes, output["pass"], metrics
@@ -379,9 +380,10 @@ def run(rank: int, layout: Layout, port: int, policies: list[tuple[str, float, d
     """Entry point of one rank: every policy for two steps; rank 0 saves what was routed and logged."""
     from megatron.core import parallel_state as mpu
 
-    from ablate.backends.verl import patch
+    from ablate.backends.verl import engines
     from ablate.backends.verl.hook import HookSettings, ReplayMaskHook
     from ablate.policies import PolicySpec
+    from worlds import training_steps
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=layout.world)
@@ -395,20 +397,9 @@ def run(rank: int, layout: Layout, port: int, policies: list[tuple[str, float, d
     results = {}
     for policy, budget, settings in policies:
         chunks = build_chunks(layout, config)
-        patch.install(ReplayMaskHook(HookSettings(PolicySpec(policy, settings), budget, seed=5)))
-        steps = []
-        for _ in range(2):
-            calls = [("log_prob", mine, True, False)]
-            calls += [("update", [batch], False, index == len(mine) - 1) for index, batch in enumerate(mine)]
-            step = {"calls": [], "metrics": None}
-            for name, call_batches, forward_only, last in calls:
-                passes, returned, metrics = run_call(layout, config, chunks, call_batches, forward_only=forward_only,
-                                                     last_update=last)
-                step["calls"].append({"name": name, "passes": passes, "returned": returned})
-                step["metrics"] = metrics or step["metrics"]
-            steps.append(step)
-        patch.uninstall()
-        results[policy] = steps
+        engines.install(ReplayMaskHook(HookSettings(PolicySpec(policy, settings), budget, seed=5)))
+        results[policy] = training_steps(functools.partial(run_call, layout, config, chunks), mine)
+        engines.uninstall()
     if rank == 0:
         torch.save(results, out_path)
     dist.barrier()

@@ -45,17 +45,17 @@ def router_model():
 
 
 def hook_installer():
-    from ablate.backends.verl import patch
+    from ablate.backends.verl import engines
     from ablate.backends.verl.hook import HookSettings, ReplayMaskHook
     from ablate.policies import PolicySpec
 
     def make(policy, budget, seed=0, **settings):
         spec = PolicySpec(policy, {k: v for k, v in settings.items() if k != "decay"},
                           fisher_decay=settings.get("decay", 0.9))
-        return patch.install(ReplayMaskHook(HookSettings(spec, budget, seed)))
+        return engines.install(ReplayMaskHook(HookSettings(spec, budget, seed)))
 
     yield make
-    patch.uninstall()
+    engines.uninstall()
 
 
 def record(model, logits):
@@ -84,7 +84,7 @@ def through_hook(hook, config, routes, input_ids, forward, *, forward_only, last
 
     from tensordict import TensorDict
 
-    from ablate.backends.verl import patch
+    from ablate.backends.verl import engines
     from verl.utils import tensordict_utils as tu
 
     data = TensorDict({"input_ids": input_ids, "routed_experts": routes}, batch_size=[input_ids.shape[0]])
@@ -98,7 +98,7 @@ def through_hook(hook, config, routes, input_ids, forward, *, forward_only, last
         return {"model_output": passes[-1], "metrics": {}}
 
     engine = SimpleNamespace(tf_config=config)
-    output = patch.hooked_call(hook, forward_backward_batch, engine, data, None, forward_only)
+    output = engines.hooked_call(hook, forward_backward_batch, engine, data, None, forward_only)
     metrics = {key: values[0] for key, values in output["metrics"].items()} or None
     return output["model_output"], passes, metrics
 

@@ -208,22 +208,22 @@ INSTALL_PROBE = textwrap.dedent("""
     from verl.utils.import_utils import import_external_libs
 
     import_external_libs("ablate.backends.verl.worker")  # what HFModelConfig does in every process
-    from ablate.backends.verl import patch
+    from ablate.backends.verl import engines
 
     report = {{"megatron_after_import": sorted(m for m in sys.modules if m.startswith("megatron"))[:3],
-              "installed_after_import": patch.active_hook() is not None}}
+              "installed_after_import": engines.active_hook() is not None}}
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29671")
     dist.init_process_group("gloo", rank=0, world_size=1)
     from verl.workers.config import McoreEngineConfig
     from verl.workers.config.engine import EngineRouterReplayConfig
     from verl.workers.engine.megatron import transformer_impl
 
-    report["installed_after_engine_import"] = patch.active_hook() is not None
+    report["installed_after_engine_import"] = engines.active_hook() is not None
     for name, (engine, mode, forward_only) in {engines!r}.items():
         getattr(transformer_impl, engine)(
             None, McoreEngineConfig(router_replay=EngineRouterReplayConfig(mode=mode), forward_only=forward_only),
             None, None)
-        report[name] = patch.active_hook() is not None
+        report[name] = engines.active_hook() is not None
     print("REPORT" + json.dumps(report))
 """)
 
@@ -243,5 +243,147 @@ def test_the_hook_installs_itself_only_with_an_r3_megatron_actor():
     report = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("REPORT"))[6:])
     assert report == {
         "megatron_after_import": [], "installed_after_import": False, "installed_after_engine_import": False,
+        "reference": False, "critic": False, "actor_without_replay": False, "actor": True,
+    }
+
+
+# ----------------------------------------------------------------------------- the VeOmni engine
+def veomni_settings(policy="random", budget=0.3, seed=4) -> HookSettings:
+    return HookSettings(PolicySpec(policy), budget, seed, engine="veomni")
+
+
+@pytest.mark.parametrize("policy,budget,extra", POLICIES)
+def test_a_veomni_cell_sets_verls_own_veomni_keys_and_passes_verls_validation(policy, budget, extra, monkeypatch):
+    from verl.utils.config import validate_config
+    from verl.workers.config import VeOmniActorConfig
+
+    settings = HookSettings(PolicySpec(policy, extra), budget, 4, engine="veomni")
+    config = composed(settings)
+    actor = config.actor_rollout_ref.actor
+    assert actor.strategy == "veomni" and actor.veomni.router_replay.mode == "R3" and actor.veomni.seed == 4
+    assert "megatron" not in actor  # verl's model_engine group: the VeOmni actor config, not Megatron's
+    assert config.actor_rollout_ref.rollout.enable_rollout_routing_replay and actor.use_remove_padding
+    validate_config(config, use_reference_policy=False, use_critic=False)
+    from verl.utils.config import omega_conf_to_dataclass
+
+    assert isinstance(omega_conf_to_dataclass(actor), VeOmniActorConfig)  # its __post_init__ checks R3's padding
+    check_cell_config(config, policy, engine="veomni")
+    env = runtime_env_of(config, monkeypatch)["env_vars"]
+    assert HookSettings.from_json(env[HookSettings.ENV]).engine == "veomni"
+
+
+@pytest.mark.parametrize("engine,override,message", [
+    ("megatron", "actor_rollout_ref.actor.strategy=fsdp", "verl 0.9.1's fsdp engine carries the router_replay block but replays no route"),
+    ("veomni", "actor_rollout_ref.actor.strategy=torchtitan", "torchtitan engine carries the router_replay block"),
+    ("megatron", "actor_rollout_ref.actor.strategy=veomni", "set backend.engine=veomni to run the VeOmni"),
+    ("megatron", "trainer.device=npu", "verl's MindSpeed engine is not one ablate's hook replays through"),
+    ("veomni", "actor_rollout_ref.model.use_remove_padding=False", "use_remove_padding=False with backend.engine=veomni"),
+    ("veomni", "actor_rollout_ref.actor.veomni.router_replay.mode=R2", "router_replay.mode=R2: ablate's masks choose"),
+    ("megatron", "actor_rollout_ref.actor.megatron.router_replay.mode=R2", "router_replay.mode=R2: ablate's masks"),
+    ("veomni", "actor_rollout_ref.actor.veomni.ulysses_parallel_size=2",
+     "ulysses_parallel_size=2 with attn_implementation=flash_attention_2: VeOmni's Ulysses sequence parallelism needs"),
+])
+def test_what_an_engine_would_refuse_later_is_refused_in_one_line(engine, override, message):
+    config = composed(HookSettings(PolicySpec("random"), 0.3, 4, engine=engine), override)
+    with pytest.raises(VerlLaunchError, match=message) as raised:
+        check_cell_config(config, "random", engine=engine)
+    assert "\n" not in str(raised.value)
+
+
+def model_folder(tmp_path, **fields) -> str:
+    folder = tmp_path / "model"
+    folder.mkdir(parents=True)
+    model = {"model_type": "qwen3_moe", "num_experts_per_tok": 2, "mlp_only_layers": [], "decoder_sparse_step": 1}
+    (folder / "config.json").write_text(json.dumps({**model, **fields}))
+    return str(folder)
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"model_type": "deepseek_v3"}, r"model_type=deepseek_v3\): ablate replays through VeOmni's R3 for qwen3_moe, qwen3_5_moe only"),
+    ({"mlp_only_layers": [0]}, r"has dense decoder layers \(mlp_only_layers=\[0\]"),
+    ({"num_experts_per_tok": 1}, "routes top-1: VeOmni's R3 tells unrecorded routes"),
+])
+def test_a_model_veomnis_r3_does_not_cover_is_refused(tmp_path, fields, message):
+    path = model_folder(tmp_path, **fields)
+    config = composed(veomni_settings(), f"actor_rollout_ref.model.path={path}")
+    with pytest.raises(VerlLaunchError, match=message):
+        check_cell_config(config, "random", engine="veomni")
+    covered = model_folder(tmp_path / "covered")
+    check_cell_config(composed(veomni_settings(), f"actor_rollout_ref.model.path={covered}"), "random", engine="veomni")
+
+
+def test_one_veomni_rank_on_a_cpu_is_refused():
+    config = compose(EXAMPLES, "ablate_ppo_cpu", [*verl_overrides(veomni_settings()), *MODEL, "trainer.n_gpus_per_node=1"])
+    with pytest.raises(VerlLaunchError, match="VeOmni shards with FSDP2 from two data-parallel ranks on"):
+        check_cell_config(config, "random", engine="veomni")
+    check_cell_config(compose(EXAMPLES, "ablate_ppo_cpu", [*verl_overrides(veomni_settings()), *MODEL]), "random",
+                      engine="veomni")
+
+
+def test_the_engines_package_is_checked_before_launch(monkeypatch):
+    import importlib.metadata
+
+    from ablate.backends.verl.launch import check_engine
+
+    check_engine("megatron")
+    check_engine("veomni")
+    real = importlib.metadata.version
+
+    def version(name):
+        if name == "veomni":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    with pytest.raises(VerlLaunchError, match=r"^backend.engine=veomni needs veomni 0.1.12 \(REQUIRED_VERL.txt\), but "
+                                              r"veomni is not installed"):
+        check_engine("veomni")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.1.11" if name == "veomni" else real(name))
+    with pytest.raises(VerlLaunchError, match=r"^veomni==0.1.11 is installed .*: expected veomni==0.1.12 \(REQUIRED_VERL"):
+        check_engine("veomni")
+
+
+VEOMNI_INSTALL_PROBE = textwrap.dedent("""
+    import json, os, sys
+    from types import SimpleNamespace
+    import torch.distributed as dist
+
+    os.environ["ABLATE_VERL_CELL"] = {cell!r}
+    from verl.utils.import_utils import import_external_libs
+
+    import_external_libs("ablate.backends.verl.worker")
+    from ablate.backends.verl import engines
+
+    report = {{"engines_after_import": sorted(m for m in sys.modules if m.startswith(("veomni", "megatron")))[:3],
+              "installed_after_import": engines.active_hook() is not None}}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29673")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from verl.workers.config import VeOmniEngineConfig
+    from verl.workers.config.engine import EngineRouterReplayConfig
+    from verl.workers.engine.veomni import transformer_impl
+
+    for name, (engine, mode, forward_only) in {engines!r}.items():
+        getattr(transformer_impl, engine)(
+            SimpleNamespace(use_remove_padding=True, lora_rank=0),
+            VeOmniEngineConfig(router_replay=EngineRouterReplayConfig(mode=mode), forward_only=forward_only), None, None)
+        report[name] = engines.active_hook() is not None
+    print("REPORT" + json.dumps(report))
+""")
+
+
+def test_the_hook_installs_itself_only_with_an_r3_veomni_actor():
+    pytest.importorskip("veomni", reason="VeOmni is not installed here: build the environment with .ci/verl-env.sh")
+    engines = {  # built in this order in one process; the actor comes last
+        "reference": ("VeOmniEngineWithLMHead", "R3", True),
+        "critic": ("VeOmniEngineWithValueHead", "R3", False),
+        "actor_without_replay": ("VeOmniEngineWithLMHead", "disabled", False),
+        "actor": ("VeOmniEngineWithLMHead", "R3", False),
+    }
+    code = VEOMNI_INSTALL_PROBE.format(cell=veomni_settings().to_json(), engines=engines)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("REPORT"))[6:])
+    assert report == {
+        "engines_after_import": [], "installed_after_import": False,
         "reference": False, "critic": False, "actor_without_replay": False, "actor": True,
     }

@@ -97,9 +97,9 @@ class StandInEngine:
         return output
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
-        from ablate.backends.verl import patch
+        from ablate.backends.verl import engines
 
-        return patch.hooked_call(self.hook, self.micro_batches, self, data, loss_function, forward_only)
+        return engines.hooked_call(self.hook, self.micro_batches, self, data, loss_function, forward_only)
 
     def train_mode(self, **kwargs):
         return contextlib.nullcontext()

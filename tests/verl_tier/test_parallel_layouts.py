@@ -11,19 +11,17 @@ and the passes are described in ``megatron_world.py``.
 """
 
 import math
-import socket
 
 import pytest
 
 pytest.importorskip("verl.protocol", reason="verl 0.9.1 is not installed here: build it with .ci/verl-env.sh")
 pytest.importorskip("megatron.core", reason="megatron-core is not installed here: build it with .ci/verl-env.sh")
 
-import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
 import megatron_world as world  # noqa: E402
-from ablate.backends.verl.patch import MICRO_BATCHES_KEY  # noqa: E402
+from ablate.backends.verl.engines import MICRO_BATCHES_KEY  # noqa: E402
 from ablate.budget import count_for  # noqa: E402
+from worlds import merged  # noqa: E402
+from worlds import run_layout as run_world  # noqa: E402
 
 pytestmark = [pytest.mark.verl, pytest.mark.slow]
 
@@ -31,31 +29,13 @@ POLICIES = [("random", 0.4, {}), ("uniform", 0.5, {}), ("fisher", 0.3, {}), ("mi
 COUNTS = ("replay/valid_routes", "replay/replayed_routes", "replay/unrecorded_routes")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_layout(name: str, directory) -> dict:
-    layout = world.LAYOUTS[name]
-    path = directory / f"{name}.pt"
-    mp.spawn(world.run, args=(layout, free_port(), POLICIES, str(path)), nprocs=layout.world)
-    return torch.load(path, weights_only=False)
+    return run_world(world, name, POLICIES, directory)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     return run_layout("single", tmp_path_factory.mktemp("single"))
-
-
-def merged(per_rank: list[dict]) -> tuple[dict, int]:
-    """One map over ranks (of a pass: routes used, outputs per token), and how many entries two ranks hold."""
-    merged_map, twice = {}, 0
-    for rank_map in per_rank:
-        twice += sum(1 for key in rank_map if key in merged_map)
-        merged_map.update(rank_map)
-    return merged_map, twice
 
 
 def returned(call: dict) -> dict:

@@ -32,17 +32,17 @@ PROBES = "none,full,random@0.5,mismatch@0.5"
 
 @pytest.fixture()
 def hooked():
-    from ablate.backends.verl import patch
+    from ablate.backends.verl import engines
     from ablate.backends.verl.hook import HookSettings, ReplayMaskHook
     from ablate.policies import PolicySpec
 
     def make(policy, budget, probes=PROBES, probe_every=1, seed=3):
         settings = HookSettings(PolicySpec(policy), budget, seed, probes=parse_probes(probes.split(",") if probes else []),
                                 probe_every=probe_every)
-        return patch.install(ReplayMaskHook(settings))
+        return engines.install(ReplayMaskHook(settings))
 
     yield make
-    patch.uninstall()
+    engines.uninstall()
 
 
 @pytest.fixture(params=["padded", "jagged"])
@@ -93,7 +93,7 @@ WEIGHTS = torch.linspace(-0.3, 0.2, NUM_LAYERS * NUM_EXPERTS).reshape(NUM_LAYERS
 
 def call(hook, routers, batch, *, forward_only, last_update=True):
     """One verl call through the hook; the output verl gets, every pass's maps and the step's metrics."""
-    from ablate.backends.verl import patch
+    from ablate.backends.verl import engines
     from verl.utils import tensordict_utils as tu
 
     model, config = routers
@@ -111,7 +111,7 @@ def call(hook, routers, batch, *, forward_only, last_update=True):
                 "metrics": {}}
 
     engine = SimpleNamespace(tf_config=config, is_mp_src_rank_with_outputs=lambda: True)
-    output = patch.hooked_call(hook, forward_backward_batch, engine, data, None, forward_only)
+    output = engines.hooked_call(hook, forward_backward_batch, engine, data, None, forward_only)
     metrics = {key: values[0] for key, values in output["metrics"].items()} or None
     return output["model_output"], passes, metrics
 

@@ -235,7 +235,8 @@ def test_selection_skips_dense_columns_and_unrecorded_routes():
     """Routes of every transformer layer (a dense first layer), as the rollout reports them."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from ablate.backends.verl.selection import layer_columns, recorded_routes, select_micro_batch
+    from ablate.backends.verl.engines.megatron import layer_columns
+    from ablate.backends.verl.selection import recorded_routes, select_micro_batch
     from ablate.policies import get_policy
 
     config = TransformerConfig(num_layers=4, hidden_size=16, num_attention_heads=2, num_moe_experts=NUM_EXPERTS,

@@ -28,6 +28,7 @@ from ablate.backends.verl.config import BACKEND
 from ablate.backends.verl.hook import HookSettings
 from ablate.backends.verl.launch import (
     check_cell_config,
+    check_engine,
     check_verl,
     compose,
     hydra_string,
@@ -123,7 +124,9 @@ def build_command(cell: Cell, metrics_file: Path, *, launch: bool = True) -> tup
     assets only when it is to be launched, not for a dry run.
     """
     cfg = BACKEND.config_of(cell)
+    engine = cfg.engine.value
     check_verl()
+    check_engine(engine)
     config_dir = Path(cfg.config_dir) if cfg.config_dir else default_config_dir()
     env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_file)}
     cpu: list[str] = []
@@ -131,18 +134,18 @@ def build_command(cell: Cell, metrics_file: Path, *, launch: bool = True) -> tup
         from ablate.backends.verl.cpu import launch as cpu_launch
 
         cpu = cpu_launch.overrides(cfg.cpu, make_assets=launch)
-        env.update(cpu_launch.environment(cfg.cpu))
+        env.update(cpu_launch.environment(cfg.cpu, engine))
     # Quoted: a settings variant puts '=' and ',' in the name (fisher+tau=0.5-b0.25-s4).
     own = [*cpu, "trainer.logger=[console,file]", f"trainer.experiment_name={hydra_string(cell.name)}",
            *cfg.overrides]
     settings = HookSettings(policy=cell.policy_spec(), budget=cell.budget, seed=cell.seed, probes=cell.probes,
-                            probe_every=cell.probe_every)
+                            probe_every=cell.probe_every, engine=engine)
     draft = compose(config_dir, cfg.config_name, [*verl_overrides(settings), *own])
-    check_cell_config(draft, cell.policy, cell.plugins)
+    check_cell_config(draft, cell.policy, cell.plugins, engine=engine)
     settings = dataclasses.replace(settings, update_epochs=update_epochs(draft))
     overrides = [*verl_overrides(settings), *own]
     check_cell_config(compose(config_dir, cfg.config_name, overrides), cell.policy, cell.plugins,
-                      [probe.id for probe in cell.probes])
+                      [probe.id for probe in cell.probes], engine=engine)
     command = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={config_dir.resolve()}",
                f"--config-name={cfg.config_name}", *overrides]
     return command, env

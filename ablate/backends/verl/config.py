@@ -7,6 +7,7 @@ checked: composing a config imports this module only (no torch, no verl).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Optional
 
 from ablate.backends import Backend, deferred
@@ -24,11 +25,20 @@ class VerlCpuConfig:
     assets_dir: Optional[str] = None
 
 
+class VerlEngine(str, Enum):
+    """verl's training engines whose R3 ablate's hook replays through (``ablate/backends/verl/engines``)."""
+
+    megatron = "megatron"
+    veomni = "veomni"
+
+
 @dataclass
 class VerlConfig(BackendConfig):
     """The verl backend: one verl ``main_ppo`` run per cell (see ``ablate/backends/verl``)."""
 
     name: str = "verl"
+    #: verl's training engine (its ``model_engine``): Megatron, or VeOmni (FSDP2).
+    engine: VerlEngine = VerlEngine.megatron
     config_dir: Optional[str] = None
     config_name: str = "ablate_ppo"
     overrides: list[str] = field(default_factory=list)

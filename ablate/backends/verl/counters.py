@@ -1,16 +1,15 @@
-"""Counting each route once across the ranks of a Megatron run, and summing what they saw.
+"""Counting each route once across the ranks of a run, and summing what they saw.
 
-verl gives every rank of a tensor-, context- and pipeline-parallel group (TP x CP x PP) the same
-micro-batches, and every virtual-pipeline chunk of a rank sees them again. Each rank's routers
-route a disjoint part of them: TP with sequence parallelism and CP split the tokens, PP and VPP
-split the layers. So (docs/design.md section 4, counting in parallel training):
+Every rank of a model-parallel group (Megatron's TP x CP x PP, VeOmni's Ulysses SP group) gets
+the same micro-batches, and its routers route a disjoint part of them. The engine's seam
+(:mod:`.engines`) knows the groups; here is what is done with them (docs/design.md section 4,
+counting in parallel training):
 
 - selection counts (valid, replayed, unrecorded routes) are taken on one rank per model-parallel
-  group, the one with TP and CP rank 0 whose model chunk holds the first MoE layer, once per
-  micro-batch; a world sum then adds the data-parallel replicas;
+  group, once per micro-batch; a world sum then adds the data-parallel replicas;
 - what the routers saw (their native routes) is written by each rank into a buffer indexed by
-  (token, layer) and summed over TP x CP, then over PP: every entry is written by exactly one
-  rank, so the sum assembles the whole micro-batch on every rank;
+  (token, layer) and summed over the model-parallel group (:func:`sum_disjoint`): every entry is
+  written by exactly one rank, so the sum assembles the whole micro-batch on every rank;
 - Fisher sums of router-logit gradients are per (token, layer), so a world sum is exact;
 - a probe's per-token log-probs are gathered, not summed, in rank order (:mod:`.probes`).
 """
@@ -38,30 +37,15 @@ def collective_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def counting_rank(router_layer_numbers: list[int], first_moe_layer: int) -> bool:
-    """True on the one rank and chunk of a model-parallel group that counts a micro-batch."""
-    if first_moe_layer not in router_layer_numbers:
-        return False
-    if not distributed():
-        return True
-    from megatron.core import parallel_state as mpu
-
-    return mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_context_parallel_rank() == 0
-
-
-def assemble_over_model_parallel(parts: Tensor) -> Tensor:
-    """Sum of a tensor whose entries each rank of TP x CP x PP wrote disjointly (zeros elsewhere).
+def sum_disjoint(parts: Tensor, groups) -> Tensor:
+    """Sum over each process group in turn of a tensor whose every entry one rank wrote (zeros elsewhere).
 
     Integer tensors travel as bytes: NCCL has no int16 sum, and because each byte is non-zero on
     at most one rank, a byte-wise sum is the exact value.
     """
-    if not distributed():
-        return parts
-    from megatron.core import parallel_state as mpu
-
     assembled = parts.contiguous().clone()
     payload = assembled.view(torch.uint8) if not assembled.is_floating_point() else assembled
-    for group in (mpu.get_tensor_and_context_parallel_group(), mpu.get_pipeline_model_parallel_group()):
+    for group in groups:
         if torch.distributed.get_world_size(group) > 1:
             torch.distributed.all_reduce(payload, group=group)
     return assembled

@@ -3,13 +3,15 @@
 One training step of verl is an old-log-prob pass (one ``forward_backward_batch`` call with
 ``forward_only``; bypass mode skips it), then one update call per mini-batch and epoch. A call
 runs micro-batches, and each micro-batch reaches the hook once per model chunk of a rank, in
-micro-batch order. The hook:
+micro-batch order. The hook knows no training engine: the engine's seam (:mod:`.engines`) frames
+its calls, hands it each micro-batch's routes and each router's native top-k, and applies its
+masks. The hook:
 
-- selects a mask for each micro-batch (:mod:`.selection`) and hands it to verl's own packing
-  (:mod:`.patch`); the old-log-prob pass and every update pass replay the same mask, so the PPO
-  ratio starts at 1 for every policy;
+- selects a mask for each micro-batch (:mod:`.selection`) and hands it to the seam, which sends
+  it through the engine's own packing; the old-log-prob pass and every update pass replay the
+  same mask, so the PPO ratio starts at 1 for every policy;
 - writes the native routes its routers computed into one buffer per call, assembled over the
-  model-parallel ranks at the end of the call (:mod:`.counters`). ``mismatch`` selects on native
+  ranks that split a micro-batch's routes at the end of the call (the seam's rank layout). ``mismatch`` selects on native
   routes: the step's old-log-prob call first runs one more forward that replays nothing (a
   *native pass*, whose output verl never sees), and keeps its native routes, per sequence, for
   the replayed old-log-prob pass and the update passes;
@@ -32,8 +34,9 @@ import torch
 from torch import Tensor
 
 from ablate.backends.verl import counters
+from ablate.backends.verl.engines import seam_for
+from ablate.backends.verl.engines.base import MICRO_BATCHES_KEY, CallInfo, augment_routes
 from ablate.backends.verl.metrics import step_metrics
-from ablate.backends.verl.patch import MICRO_BATCHES_KEY, CallInfo, augment_routes, split_augmented_targets
 from ablate.backends.verl.probes import ProbeRun, probe_run
 from ablate.backends.verl.selection import MicroBatchSelection, select_micro_batch, sequence_keys
 from ablate.budget import check_budget
@@ -52,6 +55,7 @@ class HookSettings:
 
     ``update_epochs`` is the run's ``actor.ppo_epochs``: each update epoch counts every route once.
     ``probes`` are scored on the hook's steps 0, ``probe_every``, ... (the step's first call is 0).
+    ``engine`` is the training engine whose seam the hook installs in (:mod:`.engines`).
     """
 
     ENV = "ABLATE_VERL_CELL"
@@ -62,6 +66,7 @@ class HookSettings:
     update_epochs: int = 1
     probes: tuple[Probe, ...] = ()
     probe_every: int = 1
+    engine: str = "megatron"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -83,11 +88,12 @@ class _Call:
     """One ``forward_backward_batch`` call: its micro-batches in the call's token order."""
 
     info: CallInfo
-    #: ``[tokens, route layers, topk]`` native expert id + 1 written by this rank's routers (0: not here).
+    #: ``[route layers, tokens, topk]`` native expert id + 1 written by this rank's routers (0: not here),
+    #: layer-major: each router writes one block of rows.
     native: Tensor
     #: a forward that replays nothing, run only to record native routes (``needs_native_routes``).
     native_pass: bool = False
-    #: ``[tokens, route layers]`` native margins (``ablate.routes.native_margin``) written with ``native``.
+    #: ``[route layers, tokens]`` native margins (``ablate.routes.native_margin``) written with ``native``.
     native_margin: Tensor | None = None
     starts: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
@@ -119,12 +125,26 @@ class _Call:
     def rows_of(self, index: int) -> slice:
         return slice(self.starts[index], self.starts[index] + self.rows[index])
 
+    def token_major(self, layer_major: Tensor, index: int) -> Tensor:
+        """Micro-batch ``index``'s MoE columns of a layer-major buffer, ``[rows, MoE layers, ...]``.
+
+        Copied token-major: the counters compare it with the rollout's routes slot by slot, which
+        costs more on a transposed view than the one copy.
+        """
+        columns = self.info.moe_columns
+        part = layer_major[:, self.rows_of(index)]
+        if len(columns) != layer_major.shape[0]:
+            part = part[columns]
+        return part.transpose(0, 1).contiguous()
+
 
 class ReplayMaskHook:
     """Chooses per-(token, layer) replay masks for verl's R3 and measures what replay changed."""
 
     def __init__(self, settings: HookSettings) -> None:
         self.settings = settings
+        #: what the hook needs from the training engine (:class:`.engines.base.EngineSeam`).
+        self.seam = seam_for(settings.engine, self)
         policy = settings.policy.policy_class
         self.needs_native = policy.needs_native_routes
         self._probes_need_native = any(
@@ -194,9 +214,9 @@ class ReplayMaskHook:
         if self.policy is None:
             self.policy, self.tracker = self.settings.policy.build(len(info.moe_columns), info.num_experts)
             self._topk = info.topk
-        native = torch.zeros(info.num_tokens, info.route_layers, info.topk, dtype=torch.int16,
+        native = torch.zeros(info.route_layers, info.num_tokens, info.topk, dtype=torch.int16,
                              device=counters.collective_device())
-        margin = (torch.zeros(info.num_tokens, info.route_layers, device=counters.collective_device())
+        margin = (torch.zeros(info.route_layers, info.num_tokens, device=counters.collective_device())
                   if native_pass else None)
         self._call = _Call(info=info, native=native, native_pass=native_pass, native_margin=margin, probe=probe)
 
@@ -210,17 +230,16 @@ class ReplayMaskHook:
             return None
         if call.native_pass:
             assert call.native_margin is not None
-            self._keep_native_routes(call, counters.assemble_over_model_parallel(call.native),
-                                     counters.assemble_over_model_parallel(call.native_margin))
+            self._keep_native_routes(call, self.seam.assemble(call.native),
+                                     self.seam.assemble(call.native_margin))
             self._native_pass_done = True
             return None
         if call.info.forward_only and call.probe is None:
             return None
-        native = counters.assemble_over_model_parallel(call.native)
-        columns = call.info.moe_columns
+        native = self.seam.assemble(call.native)
         counts = dict.fromkeys(ROUTE_COUNTS, 0.0) if call.probe is not None else self.step_counts
         for index in call.counted:
-            self._count(counts, call.selections[index], native[call.rows_of(index)][:, columns])
+            self._count(counts, call.selections[index], call.token_major(native, index))
         if call.probe is not None:  # a probe pass: its counts, summed over the world, for add_probe
             return counters.sum_counts_over_world(counts)
         return self._close_step() if call.info.last_update else None
@@ -236,47 +255,56 @@ class ReplayMaskHook:
         self._reset_step()
         return metrics
 
-    # ------------------------------------------------------------------ verl-facing methods
-    def set_router_replay_data(self, original, layers_topk_idx, attention_mask, tf_config, vp_rank=None,
-                               replay_mask=None, local_cp_size=None, model=None):
-        """verl's ``set_router_replay_data`` with ablate's mask in place of R3's per-token mask."""
-        call = self._call
-        if call is None or replay_mask is None or model is None or not getattr(layers_topk_idx, "is_nested", False):
-            # Not an R3 micro-batch of an ablate cell (R2, BSHD input, outside a hooked call).
-            return original(layers_topk_idx, attention_mask, tf_config, vp_rank, replay_mask=replay_mask,
-                            local_cp_size=local_cp_size, model=model)
-        from verl.utils.megatron.router_replay_utils import iter_model_routers
+    # ------------------------------------------------------------------ engine-facing methods
+    def current_call(self) -> CallInfo | None:
+        """The call the hook is framing (None outside one): a seam replays only inside it."""
+        return self._call.info if self._call is not None else None
 
-        rollout, offsets = layers_topk_idx.values(), layers_topk_idx.offsets()
-        rows, route_layers, topk = rollout.shape
-        index = call.micro_batch(vp_rank or 0, rows)
+    def augmented_routes(self, chunk: int, rollout: Tensor, r3_mask: Tensor, offsets: Tensor, *,
+                         counted: bool) -> Tensor:
+        """One micro-batch's rollout routes with its replay mask, validity and row ids as extra columns.
+
+        ``rollout`` is ``[tokens, route layers, topk]`` in the engine's packed order, ``offsets``
+        its sequence boundaries, ``r3_mask`` the tokens the engine's own R3 replays. ``chunk``
+        tells apart the model chunks of a rank (Megatron's virtual pipeline stages), which all see
+        the micro-batch; ``counted``: this rank and chunk counts it for its model-parallel group.
+        The seam sends the result through the engine's own packing (:func:`.engines.base.augment_routes`).
+        """
+        call = self._call
+        index = call.micro_batch(chunk, rollout.shape[0])
         selection = call.selections.get(index)
         if selection is None:
-            selection = call.selections[index] = self._select(call, rollout, replay_mask.values(), offsets)
-        routers = list(iter_model_routers(model))
-        self._tag_routers(call.info, routers)
-        if counters.counting_rank([number for number, _ in routers], call.info.first_moe_layer):
+            selection = call.selections[index] = self._select(call, rollout, r3_mask, offsets)
+        if counted:
             call.counted.append(index)
-        mask = torch.zeros(rows, route_layers, dtype=torch.bool, device=rollout.device)
-        mask[:, call.info.moe_columns] = selection.mask
-        augmented = augment_routes(rollout, mask, selection.valid, call.starts[index])
-        packed = torch.nested.nested_tensor_from_jagged(augmented, offsets=offsets)
-        with split_augmented_targets(topk):
-            original(packed, attention_mask, tf_config, vp_rank, replay_mask=None, local_cp_size=local_cp_size, model=model)
+        mask = selection.mask
+        if mask.shape[1] != rollout.shape[1]:  # dense layers' columns replay nothing
+            mask = torch.zeros(rollout.shape[:2], dtype=torch.bool, device=rollout.device)
+            mask[:, call.info.moe_columns] = selection.mask
+        return augment_routes(rollout, mask, selection.valid, call.starts[index])
 
-    def observe(self, replay, native: Tensor, scores: Tensor | None = None) -> None:
-        """Called by a router in REPLAY_FORWARD with the native top-k of its rows (and its scores)."""
+    def observe(self, column: int, rows: Tensor | slice, native: Tensor, scores: Tensor | None = None) -> None:
+        """A router's native top-k of its rows, and its scores.
+
+        ``rows`` are the rows' ids in the call's token order (-1: padding the engine added), or the
+        one slice they make when consecutive (:attr:`.engines.base.LayerTargets.rows`).
+        """
         call = self._call
-        extra = getattr(replay.target_replay_mask, "_ablate", None)
-        column = getattr(replay, "_ablate_column", None)
-        if call is None or extra is None or column is None:
+        if call is None:
             return
-        rows = extra[1].to(call.native.device)
-        real = rows >= 0  # rows verl added to pad sequences for TP/CP have row id -1
-        call.native[rows[real], column] = (native.to(call.native.device)[real] + 1).to(torch.int16)
+        device = call.native.device
+        native = native.to(device)
+        margin = None
         if call.native_margin is not None and scores is not None:
-            margin = native_margin(scores.detach().float(), native)
-            call.native_margin[rows[real], column] = margin.to(call.native_margin.device)[real]
+            margin = native_margin(scores.detach().float(), native).to(device)
+        block = rows
+        if not isinstance(rows, slice):  # rows the engine added to pad sequences (TP, CP, SP) have row id -1
+            real = rows.to(device) >= 0
+            block, native = rows.to(device)[real], native[real]
+            margin = margin[real] if margin is not None else None
+        call.native[column, block] = native.to(torch.int16) + 1
+        if margin is not None:
+            call.native_margin[column, block] = margin
 
     def add_fisher(self, layer: int, logit_grads: Tensor, valid: Tensor) -> None:
         """Per-token squared router-logit gradients of one MoE layer's valid rows.
@@ -319,14 +347,6 @@ class ReplayMaskHook:
         self.step_counts["fisher_fallback"] += float(selection.fisher_fallback)
         return selection
 
-    @staticmethod
-    def _tag_routers(info: CallInfo, routers) -> None:
-        """Give each router its column in the route tensor and its MoE-layer index."""
-        moe_columns = info.moe_columns
-        for layer_number, router in routers:
-            router._ablate_column = info.layer_columns[layer_number - 1]
-            router._ablate_moe_layer = moe_columns.index(router._ablate_column)
-
     def _count(self, counts: dict[str, float], selection: MicroBatchSelection, native: Tensor) -> None:
         """Add one micro-batch's counts to ``counts`` (this rank counts it for its model-parallel group)."""
         scores = self.tracker.scores() if self.tracker.has_estimate else None
@@ -335,9 +355,8 @@ class ReplayMaskHook:
 
     def _keep_native_routes(self, call: _Call, native: Tensor, margin: Tensor) -> None:
         """Keep each sequence's native routes (and margins) of the native pass for the step's replayed passes."""
-        columns = call.info.moe_columns
         for index, selection in call.selections.items():
-            part, margins = native[call.rows_of(index)][:, columns], margin[call.rows_of(index)][:, columns]
+            part, margins = call.token_major(native, index), call.token_major(margin, index)
             bounds = selection.offsets.tolist()
             for key, start, end in zip(selection.keys, bounds[:-1], bounds[1:]):
                 self._native_routes[key] = (part[start:end] - 1, margins[start:end])
@@ -369,3 +388,4 @@ class ReplayMaskHook:
         self.tracker.accumulate((sums / counts.clamp(min=1))[None], counts[None])
         self.tracker.step()
         return int(skipped.sum())
+

@@ -32,7 +32,11 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         if fullname != self.name:
             return None
         sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        # The finders after this one find the module: another callback waiting for the same
+        # module (the hook and the CPU plugin both wait for verl's engine modules) wraps the
+        # loader too, so that every callback runs, in the order they were asked for.
+        spec = next((found for finder in list(sys.meta_path) if hasattr(finder, "find_spec")
+                     for found in [finder.find_spec(fullname, path, target)] if found is not None), None)
         if spec is None or spec.loader is None:
             return spec
         loader, callback = spec.loader, self.callback

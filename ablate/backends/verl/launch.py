@@ -1,7 +1,8 @@
 """From one ablation cell to a verl ``main_ppo`` launch.
 
 Every policy runs R3 with :mod:`ablate.backends.verl.hook` choosing per-(token, layer) masks
-(``none`` an empty one, ``full`` every recorded route). The hook reaches
+(``none`` an empty one, ``full`` every recorded route), in the training engine ``backend.engine``
+names (:data:`ENGINES`: verl's ``model_engine`` and that engine's own R3 keys). The hook reaches
 verl's Ray workers through verl's own extension point ``actor_rollout_ref.model.external_lib``;
 the cell's policy, budget and seed reach it as one JSON environment variable of Ray's
 ``runtime_env``. verl's ``main_ppo`` merges ``ray_kwargs.ray_init.runtime_env`` into
@@ -12,8 +13,10 @@ Hydra string.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from ablate.backends.verl.cpu import ROLLOUT_NAME as CPU_ROLLOUT_NAME
@@ -25,16 +28,52 @@ from ablate.overrides import hydra_string
 #: declares the same pin in verl-recipe's format (a test keeps the two equal); the constant is
 #: what an installed package, which carries no repository files, checks against.
 VERL_VERSION = "0.9.1"
+#: The VeOmni release the VeOmni engine is run with. verl 0.9.1's own ``veomni-sft`` extra names
+#: 0.1.11, whose Qwen3-MoE modeling (generated against transformers 5.2) fails under the
+#: transformers verl 0.9.1 needs (create_causal_mask() got an unexpected keyword argument
+#: 'cache_position'); 0.1.12's, generated against transformers 5.9, runs.
+VEOMNI_VERSION = "0.1.12"
 WORKER_MODULE = "ablate.backends.verl.worker"
 ENV_PREFIX = "+ray_kwargs.ray_init.runtime_env.env_vars."
-MODE_KEY = "actor_rollout_ref.actor.megatron.router_replay.mode"
 ROLLOUT_ROUTES_KEY = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
 BYPASS_KEY = "algorithm.rollout_correction.bypass_mode"
 LOG_PROBS_KEY = "actor_rollout_ref.rollout.calculate_log_probs"
 DYNAMIC_CP_KEY = "actor_rollout_ref.actor.megatron.dynamic_context_parallel"
 EPOCHS_KEY = "actor_rollout_ref.actor.ppo_epochs"
+REMOVE_PADDING_KEY = "actor_rollout_ref.model.use_remove_padding"
 #: Rollouts that return ``routed_experts``: vLLM, SGLang and the CPU rollout of ``backend=verl_cpu``.
 ROUTE_RECORDING_ROLLOUTS = ("vllm", "sglang", CPU_ROLLOUT_NAME)
+
+
+@dataclass(frozen=True)
+class EngineLaunch:
+    """What a launch sets in verl's config for one training engine (verl's ``model_engine`` group)."""
+
+    name: str
+    #: verl's ``actor.strategy`` of the engine.
+    strategy: str
+    #: what the refusal of another strategy calls the engine.
+    title: str
+    #: further keys verl's R3 needs on this engine.
+    required: tuple[str, ...] = ()
+
+    @property
+    def mode_key(self) -> str:
+        return f"actor_rollout_ref.actor.{self.strategy}.router_replay.mode"
+
+    @property
+    def seed_key(self) -> str:
+        return f"actor_rollout_ref.actor.{self.strategy}.seed"
+
+
+#: ``backend.engine`` -> its launch. VeOmni's R3 packs routes like ``input_ids`` without padding.
+ENGINES = {
+    "megatron": EngineLaunch("megatron", "megatron", "Megatron"),
+    "veomni": EngineLaunch("veomni", "veomni", "VeOmni (FSDP2)", required=(f"{REMOVE_PADDING_KEY}=True",)),
+}
+#: Model families whose VeOmni modeling calls verl's router replay with softmax routing scores
+#: (``veomni.utils.moe_router_replay``, patched ``SparseMoeBlock.forward``), one router per decoder layer.
+VEOMNI_R3_MODELS = ("qwen3_moe", "qwen3_5_moe")
 
 
 class VerlLaunchError(ConfigError):
@@ -44,7 +83,15 @@ class VerlLaunchError(ConfigError):
     """
 
 
-def seed_overrides(seed: int) -> list[str]:
+def engine_launch(engine) -> EngineLaunch:
+    """The :class:`EngineLaunch` of ``backend.engine`` (a name or :class:`~ablate.backends.verl.config.VerlEngine`)."""
+    name = getattr(engine, "value", engine)
+    if name not in ENGINES:
+        raise VerlLaunchError(f"backend.engine={name}: expected one of {', '.join(ENGINES)}")
+    return ENGINES[name]
+
+
+def seed_overrides(seed: int, engine: str = "megatron") -> list[str]:
     """Every place verl 0.9.1 seeds randomness from the config, set to the cell's seed.
 
     Without them each cell would sample its rollouts with vLLM's default seed 42 (plus the
@@ -54,7 +101,7 @@ def seed_overrides(seed: int) -> list[str]:
     seed = int(seed)
     return [
         f"data.seed={seed}",
-        f"actor_rollout_ref.actor.megatron.seed={seed}",
+        f"{engine_launch(engine).seed_key}={seed}",
         f"actor_rollout_ref.actor.data_loader_seed={seed}",
         f"actor_rollout_ref.rollout.seed={seed}",
         f"++actor_rollout_ref.rollout.engine_kwargs.sglang.random_seed={seed}",
@@ -70,8 +117,9 @@ def verl_overrides(settings: HookSettings) -> list[str]:
     ``routing/`` keys of ``none`` are the mismatch replay starts from, and ``full``'s residual
     mismatch shows that replay reached every route.
     """
-    return seed_overrides(settings.seed) + [
-        f"{MODE_KEY}=R3", f"{ROLLOUT_ROUTES_KEY}=True",
+    engine = engine_launch(settings.engine)
+    return [f"model_engine={engine.name}"] + seed_overrides(settings.seed, engine.name) + [
+        f"{engine.mode_key}=R3", f"{ROLLOUT_ROUTES_KEY}=True", *engine.required,
         f"actor_rollout_ref.model.external_lib={WORKER_MODULE}",
         f"{ENV_PREFIX}{HookSettings.ENV}={hydra_string(settings.to_json())}",
     ]
@@ -79,27 +127,52 @@ def verl_overrides(settings: HookSettings) -> list[str]:
 
 def check_verl(wanted: str = VERL_VERSION) -> str:
     """The installed verl version, or a clear error when it is missing or not the pinned one."""
+    return check_package("verl", wanted, "backend=verl")
+
+
+def check_package(name: str, wanted: str, needed_by: str) -> str:
+    """The installed version of ``name``, or one line when it is missing or not ``wanted``."""
     try:
-        found = importlib.metadata.version("verl")
+        found = importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         raise VerlLaunchError(
-            f"backend=verl needs verl {wanted} (REQUIRED_VERL.txt), but verl is not installed in {sys.executable}: "
+            f"{needed_by} needs {name} {wanted} (REQUIRED_VERL.txt), but {name} is not installed in {sys.executable}: "
             f"install it as REQUIRED_VERL.txt's PIP_INSTALL line says (.ci/verl-env.sh builds such an environment)"
         ) from None
     if found != wanted:
-        raise VerlLaunchError(
-            f"verl=={found} is installed in {sys.executable}: expected verl=={wanted} (REQUIRED_VERL.txt)"
-        )
+        raise VerlLaunchError(f"{name}=={found} is installed in {sys.executable}: expected {name}=={wanted} "
+                              f"(REQUIRED_VERL.txt)")
     return found
 
 
-def check_cell_config(config, policy: str, plugins: Sequence[str] = (), probes: Sequence[str] = ()) -> None:
-    """Reject a composed verl config that cannot run ``policy`` as ablate means it.
+def check_engine(engine: str) -> None:
+    """The engine's own package at its pinned version, and every entry point of the hook where it expects it.
 
-    Replay needs the Megatron engine and routes recorded by a vLLM, SGLang or CPU rollout. The hook
-    needs verl's static micro-batching (not dynamic context parallelism). ``mismatch`` takes its
-    native routes from a native pass the hook runs in the old-log-prob call, which bypass mode
-    skips: with one PPO epoch every
+    The entry points are read from the installed sources without importing them
+    (:func:`ablate.backends.verl.entry_points.check_sources`): a verl whose function moved fails
+    here in one line, before anything is launched or written.
+    """
+    from ablate.backends.verl.entry_points import EntryPointMissing, check_sources
+
+    launch = engine_launch(engine)
+    if launch.name == "veomni":
+        check_package("veomni", VEOMNI_VERSION, "backend.engine=veomni")
+    try:
+        check_sources(launch.name)
+    except EntryPointMissing as missing:
+        raise VerlLaunchError(str(missing)) from None
+
+
+def check_cell_config(config, policy: str, plugins: Sequence[str] = (), probes: Sequence[str] = (),
+                      engine: str = "megatron") -> None:
+    """Reject a composed verl config that cannot run ``policy`` as ablate means it on ``engine``.
+
+    Replay needs the engine ``backend.engine`` names (verl's FSDP, torchtitan and automodel
+    engines carry a ``router_replay`` block but replay nothing in verl 0.9.1) and routes recorded
+    by a vLLM, SGLang or CPU rollout; VeOmni needs what its R3 needs (:func:`check_veomni_config`).
+    The hook needs verl's static micro-batching (not dynamic context parallelism). ``mismatch``
+    takes its native routes from a native pass the hook runs in the old-log-prob call, which
+    bypass mode skips: with one PPO epoch every
     sequence would first be seen in the update pass and route natively, so the cell would be
     ``none`` under another name. The same holds for every policy that ``needs_native_routes``.
     ``plugins`` are the cell's modules to import before ``policy`` is looked up. ``probes`` (their
@@ -111,25 +184,27 @@ def check_cell_config(config, policy: str, plugins: Sequence[str] = (), probes: 
     from ablate.policies import PolicySpec
 
     traits = PolicySpec(policy, plugins=tuple(plugins)).policy_class
-
+    launch = engine_launch(engine)
     actor = config.actor_rollout_ref.actor
-    mode = OmegaConf.select(config, MODE_KEY, default="disabled")
+    mode = OmegaConf.select(config, launch.mode_key, default="disabled")
     if mode == "disabled":
         return
-    if actor.strategy != "megatron":
+    check_strategy(actor.strategy, launch, OmegaConf.select(config, "trainer.device", default="cuda"))
+    if mode != "R3":
         raise VerlLaunchError(
-            f"actor_rollout_ref.actor.strategy={actor.strategy}: routing replay needs the Megatron engine "
-            "(verl's FSDP engine has no router replay); set actor_rollout_ref.actor.strategy=megatron"
-        )
-    if mode == "R3" and not config.actor_rollout_ref.rollout.enable_rollout_routing_replay:
+            f"{launch.mode_key}={mode}: ablate's masks choose among the routes the rollout recorded, which verl "
+            f"replays in R3; set {launch.mode_key}=R3")
+    if not config.actor_rollout_ref.rollout.enable_rollout_routing_replay:
         raise VerlLaunchError(
-            f"{MODE_KEY}=R3 but {ROLLOUT_ROUTES_KEY}=False: the rollout engine would return no routed_experts"
+            f"{launch.mode_key}=R3 but {ROLLOUT_ROUTES_KEY}=False: the rollout engine would return no routed_experts"
         )
     if config.actor_rollout_ref.rollout.name not in ROUTE_RECORDING_ROLLOUTS:
         raise VerlLaunchError(
             f"actor_rollout_ref.rollout.name={config.actor_rollout_ref.rollout.name}: only "
             f"{', '.join(ROUTE_RECORDING_ROLLOUTS)} return routed_experts for R3"
         )
+    if launch.name == "veomni":
+        check_veomni_config(config)
     if probes:
         check_probe_config(config, probes)
     if traits.fixed_budget is not None:  # a fixed mask (no route, or every route): nothing to select per micro-batch
@@ -145,6 +220,76 @@ def check_cell_config(config, policy: str, plugins: Sequence[str] = (), probes: 
             "old-log-prob pass, which bypass mode skips, so it would replay nothing; set "
             f"{BYPASS_KEY}=False or choose another policy"
         )
+
+
+def check_strategy(strategy: str, launch: EngineLaunch, device: str) -> None:
+    """The actor's strategy must be the engine ablate launches: the others replay no route."""
+    if strategy == launch.strategy and not (launch.name == "megatron" and device == "npu"):
+        return
+    if strategy == launch.strategy:  # Megatron on NPU is verl's MindSpeed engine
+        raise VerlLaunchError(
+            f"trainer.device=npu with backend.engine=megatron: verl's MindSpeed engine is not one ablate's hook "
+            "replays through (Megatron on CUDA and VeOmni only); run the cell on CUDA")
+    other = next((name for name, known in ENGINES.items() if known.strategy == strategy), None)
+    if other is not None:
+        raise VerlLaunchError(
+            f"actor_rollout_ref.actor.strategy={strategy} with backend.engine={launch.name}: set "
+            f"backend.engine={other} to run the {ENGINES[other].title} engine")
+    raise VerlLaunchError(
+        f"actor_rollout_ref.actor.strategy={strategy}: verl 0.9.1's {strategy} engine carries the router_replay "
+        "block but replays no route; ablate replays through the Megatron engine (backend.engine=megatron) or "
+        "the VeOmni engine (backend.engine=veomni), which set the strategy themselves")
+
+
+def check_veomni_config(config) -> None:
+    """What verl's VeOmni engine or VeOmni itself would refuse later, refused before anything is written."""
+    from omegaconf import OmegaConf
+
+    actor = config.actor_rollout_ref.actor
+    if not OmegaConf.select(actor, "use_remove_padding", default=False):
+        raise VerlLaunchError(
+            f"{REMOVE_PADDING_KEY}=False with backend.engine=veomni: verl's VeOmni engine replays routes in the "
+            "packed order of input_ids only (VeOmniActorConfig refuses R3 without it); set it True")
+    ulysses = int(OmegaConf.select(actor, "veomni.ulysses_parallel_size", default=1))
+    attention = str(OmegaConf.select(actor, "veomni.attn_implementation", default=""))
+    if ulysses > 1 and not attention.endswith("_with_sp"):
+        raise VerlLaunchError(
+            f"actor_rollout_ref.actor.veomni.ulysses_parallel_size={ulysses} with attn_implementation={attention}: "
+            "VeOmni's Ulysses sequence parallelism needs a veomni_*_with_sp attention; each rank would attend "
+            "to its own slice of the sequence only")
+    ranks = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+    if OmegaConf.select(config, "trainer.device", default="cuda") == "cpu" and ranks // ulysses < 2:
+        raise VerlLaunchError(
+            f"trainer.n_gpus_per_node={config.trainer.n_gpus_per_node} with backend.engine=veomni on a CPU: VeOmni "
+            "shards with FSDP2 from two data-parallel ranks on, and builds one rank as DDP, which needs CUDA "
+            "(init_device=meta); use two ranks")
+    check_veomni_model(str(config.actor_rollout_ref.model.path))
+
+
+def check_veomni_model(path: str) -> None:
+    """A local model VeOmni's R3 does not cover, refused; a hub id is checked by VeOmni when it loads it."""
+    config_file = Path(path).expanduser() / "config.json"
+    if not config_file.is_file():
+        return
+    model = json.loads(config_file.read_text())
+    text = model.get("text_config") or model
+    model_type = model.get("model_type")
+    named = f"actor_rollout_ref.model.path={path} (model_type={model_type})"
+    if model_type not in VEOMNI_R3_MODELS:
+        raise VerlLaunchError(
+            f"{named}: ablate replays through VeOmni's R3 for {', '.join(VEOMNI_R3_MODELS)} only (their MoE "
+            "blocks hand verl's router replay softmax routing scores, one router per decoder layer)")
+    dense = text.get("mlp_only_layers") or []
+    if dense or int(text.get("decoder_sparse_step") or 1) != 1:
+        raise VerlLaunchError(
+            f"{named} has dense decoder layers (mlp_only_layers={dense}, decoder_sparse_step="
+            f"{text.get('decoder_sparse_step')}): VeOmni's R3 gives route slot i to the i-th router to fire, "
+            "so with dense layers every later layer would replay another layer's routes (verl stops such a "
+            "run after its first forward)")
+    if int(text.get("num_experts_per_tok") or 0) < 2:
+        raise VerlLaunchError(
+            f"{named} routes top-{text.get('num_experts_per_tok')}: VeOmni's R3 tells unrecorded routes (zeros) "
+            "from recorded ones by duplicate ids, which top-1 cannot have")
 
 
 def check_probe_config(config, probes: Sequence[str]) -> None:
@@ -192,7 +337,9 @@ def compose(config_dir: str | Path, config_name: str, overrides: Sequence[str]):
 __all__ = [
     "VERL_VERSION",
     "VerlLaunchError",
+    "ENGINES",
     "check_cell_config",
+    "check_engine",
     "check_verl",
     "compose",
     "hydra_string",

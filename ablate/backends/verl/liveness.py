@@ -11,7 +11,7 @@ import math
 from collections.abc import Mapping
 
 from ablate.backends.verl.metrics import ACTOR_PREFIX
-from ablate.backends.verl.patch import MICRO_BATCHES_KEY
+from ablate.backends.verl.engines.base import MICRO_BATCHES_KEY
 
 SEEN_KEY = ACTOR_PREFIX + MICRO_BATCHES_KEY
 
@@ -26,8 +26,8 @@ def check_step(step: int, record: Mapping[str, float], native: Mapping[str, floa
     if seen is None:
         raise SilentReplay(
             f"step {step}: the replay hook never installed in verl's actor (no {SEEN_KEY} among the step's "
-            "metrics): actor_rollout_ref.model.external_lib must stay ablate.backends.verl.worker, with a "
-            "Megatron actor in router_replay.mode=R3"
+            "metrics): actor_rollout_ref.model.external_lib must stay ablate.backends.verl.worker, with an "
+            "actor of backend.engine's engine in router_replay.mode=R3"
         )
     if budget <= 0:
         return

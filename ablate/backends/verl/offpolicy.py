@@ -26,18 +26,19 @@ def with_mismatch_metrics(calculate_debug_metrics):
             metrics.update(mismatch_metrics(batch["old_log_probs"].double(), batch["rollout_log_probs"].double(), valid))
         return metrics
 
-    calculate._ablate = True
     return calculate
 
 
 def install_in_trainer() -> None:
     """Wrap ``calculate_debug_metrics`` wherever verl's trainers call it, now or once imported."""
+    from ablate.backends.verl import entry_points as ep
     from ablate.backends.verl.import_hooks import when_imported
 
-    def wrap(module) -> None:
-        original = module.calculate_debug_metrics
-        if not getattr(original, "_ablate", False):
-            module.calculate_debug_metrics = with_mismatch_metrics(original)
-
     for name in CALLERS:
+        point = ep.entry(name, "calculate_debug_metrics")
+
+        def wrap(module, point=point) -> None:
+            if not ep.replaced(point):
+                ep.replace(point, with_mismatch_metrics(ep.original(point)))
+
         when_imported(name, wrap)

@@ -30,26 +30,6 @@ from ablate.policies import ReplayPolicy, replay_mask
 from ablate.routes import Routes
 
 
-def layer_columns(tf_config, route_layers: int) -> tuple[int | None, ...]:
-    """For each transformer layer (0-based), its column in verl's route tensor; None if dense.
-
-    verl indexes the route tensor by global layer when it has one column per transformer layer,
-    and by MoE-layer ordinal otherwise (``set_router_replay_data``); the same rule applies here.
-    """
-    from verl.utils.megatron.router_replay_utils import is_moe_layer
-
-    by_layer = route_layers == tf_config.num_layers
-    columns: list[int | None] = []
-    ordinal = 0
-    for layer in range(tf_config.num_layers):
-        if is_moe_layer(tf_config, layer):
-            columns.append(layer if by_layer else ordinal)
-            ordinal += 1
-        else:
-            columns.append(None)
-    return tuple(columns)
-
-
 def recorded_routes(routes: Tensor, num_experts: int) -> Tensor:
     """``[tokens, layers]`` bool: the route holds ``topk`` distinct ids in ``[0, num_experts)``.
 

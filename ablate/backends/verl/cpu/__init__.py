@@ -1,8 +1,8 @@
 """verl's real ``main_ppo`` on a CPU: a check of a verl config and of ablate's hook before GPU time.
 
-``backend=verl_cpu`` runs verl 0.9.1's trainer, Ray, the Megatron engine with R3 on gloo and the
-worker hook exactly as on a GPU, with stand-ins only where verl, mbridge and megatron-core need
-CUDA (docs/verl-cpu.md lists each one and what it leaves unexercised):
+``backend=verl_cpu`` runs verl 0.9.1's trainer, Ray, the Megatron or VeOmni engine with R3 on gloo
+and the worker hook exactly as on a GPU, with stand-ins only where verl, mbridge and megatron-core
+need CUDA (docs/verl-cpu.md lists each one and what it leaves unexercised):
 
 - :mod:`.plugin`, imported by verl itself in every verl process (``VERL_USE_EXTERNAL_MODULES``):
   the CPU platform (:mod:`.platform`), the counted runtime patches (:mod:`.patches`) and the
@@ -22,3 +22,5 @@ ROLLOUT_NAME = "ablate_cpu"
 PLUGIN_MODULE = "ablate.backends.verl.cpu.plugin"
 #: Standard deviation of the noise the CPU rollout adds to its router logits (logit units).
 ROUTER_NOISE_ENV = "ABLATE_VERL_CPU_ROUTER_NOISE"
+#: The training engine of the cell (``backend.engine``): the plugin applies that engine's stand-ins.
+ENGINE_ENV = "ABLATE_VERL_CPU_ENGINE"

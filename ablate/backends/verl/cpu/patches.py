@@ -1,8 +1,9 @@
 """Runtime patches of verl, mbridge and megatron-core that a CPU run needs, each named and counted.
 
 Every patch stands in for code that only runs with CUDA or Transformer Engine, so each is also a
-part of the GPU path the CPU run does not exercise; docs/verl-cpu.md lists them by name.
-:func:`apply_all` applies them once per process and returns the names it applied.
+part of the GPU path the CPU run does not exercise; docs/verl-cpu.md lists them by name. Each
+names the training engines whose CPU run needs it: :func:`apply_all` applies those of one
+engine, once per process, and returns their names.
 """
 
 from __future__ import annotations
@@ -16,6 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ablate.backends.verl.import_hooks import when_imported
+
+
+MEGATRON = ("megatron",)
+EVERY_ENGINE = ("megatron", "veomni")
+
 
 @dataclass(frozen=True)
 class Patch:
@@ -23,19 +30,24 @@ class Patch:
     #: what is replaced and why (the docs page says the same).
     reason: str
     apply: Callable[[], None]
+    #: the engines (``backend.engine``) whose CPU run needs it.
+    engines: tuple[str, ...] = MEGATRON
 
 
 def _gloo_process_group() -> None:
     import verl.utils.distributed as distributed
-    import verl.workers.engine_workers as engine_workers  # imports the function by name
 
     original = distributed.initialize_global_process_group_ray
 
     def initialize(timeout_second=None, backend=None):
         return original(timeout_second=timeout_second, backend=backend or "gloo")
 
+    def by_name(engine_workers) -> None:  # it imports the function by name
+        engine_workers.initialize_global_process_group_ray = initialize
+
     distributed.initialize_global_process_group_ray = initialize
-    engine_workers.initialize_global_process_group_ray = initialize
+    # Once imported, not before: verl's worker module imports every engine (seconds in each process).
+    when_imported("verl.workers.engine_workers", by_name)
 
 
 def _local_layer_spec() -> None:
@@ -113,9 +125,21 @@ def _te_gemm_name() -> None:
 
 
 def _no_load_to_gpu() -> None:
-    import verl.workers.engine.megatron.transformer_impl as transformer_impl
+    def no_load(transformer_impl) -> None:
+        transformer_impl.load_megatron_model_to_gpu = lambda *args, **kwargs: None
 
-    transformer_impl.load_megatron_model_to_gpu = lambda *args, **kwargs: None
+    when_imported("verl.workers.engine.megatron.transformer_impl", no_load)
+
+
+def _veomni_full_precision() -> None:
+    import functools
+
+    def compute_in_fp32(transformer_impl) -> None:
+        transformer_impl.MixedPrecisionConfig = functools.partial(transformer_impl.MixedPrecisionConfig,
+                                                                  param_dtype="float32")
+        transformer_impl.VeOmniEngine._autocast_dtype = torch.float32  # read by FSDPEngine.forward_step
+
+    when_imported("verl.workers.engine.veomni.transformer_impl", compute_in_fp32)
 
 
 _ATTENTION: list[type] = []
@@ -162,7 +186,7 @@ PATCHES = (
     Patch("gloo_process_group",
           "verl.utils.distributed.initialize_global_process_group_ray: the CPU platform's backend string "
           "'cpu:gloo,cpu:gloo' is passed as plain 'gloo' (torch rejects the device-qualified form); NCCL is not used",
-          _gloo_process_group),
+          _gloo_process_group, EVERY_ENGINE),
     Patch("local_layer_spec",
           "mbridge LLMBridge._get_transformer_layer_spec: Megatron's local layer spec instead of Transformer "
           "Engine's, with packed attention computed per sequence by SDPA; TE layers, fused kernels and TE's "
@@ -191,15 +215,22 @@ PATCHES = (
           "verl transformer_impl.load_megatron_model_to_gpu is a no-op: it assumes the distributed optimizer's "
           "buffers; parameter offload and reload are not exercised",
           _no_load_to_gpu),
+    Patch("veomni_full_precision",
+          "verl.workers.engine.veomni.transformer_impl: VeOmni's FSDP2 unshards parameters in float32 rather than "
+          "bfloat16 (MixedPrecisionConfig's param_dtype, which verl 0.9.1 does not set) and FSDPEngine.forward_step "
+          "runs without bf16 autocast (VeOmniEngine._autocast_dtype), so the CPU trainer computes in float32 like the "
+          "CPU rollout and replay's effect on the log-probs is not lost in bf16 rounding; bf16 compute is not exercised",
+          _veomni_full_precision, ("veomni",)),
 )
 
 _applied: list[str] = []
 
 
-def apply_all() -> list[str]:
-    """Apply every patch once in this process; the names applied."""
+def apply_all(engine: str = "megatron") -> list[str]:
+    """Apply every patch ``engine`` needs, once in this process; the names applied."""
     if not _applied:
         for patch in PATCHES:
-            patch.apply()
-            _applied.append(patch.name)
+            if engine in patch.engines:
+                patch.apply()
+                _applied.append(patch.name)
     return list(_applied)

@@ -1,0 +1,293 @@
+"""The Megatron engine's seam: verl 0.9.1's R3 in ``MegatronEngine``, without editing verl or Megatron.
+
+verl replays rollout routes in ``MegatronEngine.forward_step``: it builds a per-token R3 mask
+and hands routes and mask to ``set_router_replay_data``, which packs them (THD, context-parallel
+zigzag, sequence-parallel scatter) and maps each router to its layer's column by global layer
+number. The routers apply ``torch.where(mask, replayed, native)`` in
+``RouterReplay.get_replay_topk``. The seam replaces (:mod:`..entry_points`):
+
+- ``set_router_replay_data``, in ``transformer_impl``'s namespace only: the hook selects a
+  ``[tokens, layers]`` mask and the routes travel with one more column (mask, valid token and
+  row id, packed). verl packs that augmented tensor exactly like the routes, so every router receives
+  its own layer's mask and row ids already aligned with its rows; ``set_target_indices``,
+  replaced for the length of that call, splits the columns back off and hands the layer's mask
+  to verl as its replay mask. No packing logic is duplicated.
+- ``RouterReplay.get_replay_topk``: hands the native top-k verl computes anyway for a masked
+  replay to the hook.
+- ``TopKRouter.routing``: registers a gradient hook on the router logits, whose per-token
+  squares feed the Fisher estimate.
+- ``MegatronEngine.forward_backward_batch``: one hook call per verl call (:func:`.base.hooked_call`).
+
+Rank layout: verl gives every rank of a tensor-, context- and pipeline-parallel group (TP x CP x
+PP) the same micro-batches, and every virtual-pipeline chunk of a rank sees them again. TP with
+sequence parallelism and CP split the tokens, PP and VPP split the layers. Selection counts are
+taken on the rank with TP and CP rank 0 whose chunk holds the first MoE layer, once per
+micro-batch; native routes are summed over TP x CP, then over PP (docs/design.md section 4).
+
+verl imports ``actor_rollout_ref.model.external_lib`` in every process that builds its model
+config: the trainer, the agent-loop workers and the rollout servers too. The hook is installed
+only when a Megatron actor engine with R3 is built (:func:`arm`), and nothing here imports
+verl's Megatron engine before verl itself does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ablate.backends.verl import entry_points as ep
+from ablate.backends.verl.engines.base import arm as arm_engine
+from ablate.backends.verl.engines.base import (
+    CallInfo,
+    EngineSeam,
+    LayerTargets,
+    hooked_call,
+    r3_call,
+    split_augmented,
+)
+
+ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
+_REPLAY = "verl.utils.megatron.router_replay_patch"
+INIT = ep.entry(ENGINE_MODULE, "MegatronEngine.__init__")
+FORWARD_BACKWARD = ep.entry(ENGINE_MODULE, "MegatronEngine.forward_backward_batch")
+SET_REPLAY_DATA = ep.entry(ENGINE_MODULE, "set_router_replay_data")
+SET_TARGETS = ep.entry(_REPLAY, "RouterReplay.set_target_indices")
+REPLAY_TOPK = ep.entry(_REPLAY, "RouterReplay.get_replay_topk")
+ROUTING = ep.entry("megatron.core.transformer.moe.router", "TopKRouter.routing")
+
+
+def layer_columns(tf_config, route_layers: int) -> tuple[int | None, ...]:
+    """For each transformer layer (0-based), its column in verl's route tensor; None if dense.
+
+    verl indexes the route tensor by global layer when it has one column per transformer layer,
+    and by MoE-layer ordinal otherwise (``set_router_replay_data``); the same rule applies here.
+    """
+    from verl.utils.megatron.router_replay_utils import is_moe_layer
+
+    by_layer = route_layers == tf_config.num_layers
+    columns: list[int | None] = []
+    ordinal = 0
+    for layer in range(tf_config.num_layers):
+        if is_moe_layer(tf_config, layer):
+            columns.append(layer if by_layer else ordinal)
+            ordinal += 1
+        else:
+            columns.append(None)
+    return tuple(columns)
+
+
+def first_moe_layer(info: CallInfo) -> int:
+    """Global layer number (1-based, as Megatron's) of the first MoE layer: its chunk counts."""
+    return next(layer for layer, column in enumerate(info.layer_columns, 1) if column is not None)
+
+
+@dataclass(frozen=True)
+class _Router:
+    """A ``RouterReplay``'s place in the route tensor: its column and its MoE-layer index."""
+
+    replay: Any
+    column: int
+    moe_layer: int
+
+
+class MegatronSeam(EngineSeam):
+    name = "megatron"
+
+    def __init__(self, hook) -> None:
+        super().__init__(hook)
+        #: id(RouterReplay) -> its column, set at each micro-batch the router replays.
+        self._routers: dict[int, _Router] = {}
+        #: id(replay mask tensor handed to verl) -> (that tensor, its rows' targets), for one pass.
+        self._targets: dict[int, tuple[Tensor, LayerTargets]] = {}
+
+    # ------------------------------------------------------------------------ the seam
+    def call_info(self, engine, data, forward_only: bool) -> CallInfo | None:
+        tf_config = engine.tf_config
+        return r3_call(data, forward_only, num_experts=tf_config.num_moe_experts,
+                       layer_columns=lambda layers: layer_columns(tf_config, layers))
+
+    def counting_rank(self, router_layer_numbers: list[int], info: CallInfo) -> bool:
+        """True on the one rank and chunk of a model-parallel group that counts a micro-batch."""
+        from ablate.backends.verl.counters import distributed
+
+        if first_moe_layer(info) not in router_layer_numbers:
+            return False
+        if not distributed():
+            return True
+        from megatron.core import parallel_state as mpu
+
+        return mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_context_parallel_rank() == 0
+
+    def assemble(self, parts: Tensor) -> Tensor:
+        """Sum of a tensor whose entries each rank of TP x CP x PP wrote disjointly (zeros elsewhere)."""
+        from ablate.backends.verl.counters import distributed, sum_disjoint
+
+        if not distributed():
+            return parts
+        from megatron.core import parallel_state as mpu
+
+        groups = (mpu.get_tensor_and_context_parallel_group(), mpu.get_pipeline_model_parallel_group())
+        return sum_disjoint(parts, groups)
+
+    def end_pass(self) -> None:
+        self._targets.clear()
+
+    # ------------------------------------------------------------------- install, restore
+    def install(self) -> None:
+        """The router half (:meth:`install_routers`) and verl's engine: micro-batches and calls."""
+        hook = self.hook
+        self.install_routers()
+        original_set = ep.original(SET_REPLAY_DATA)
+        original_fbb = ep.original(FORWARD_BACKWARD)
+
+        def set_router_replay_data(*args, **kwargs):
+            return self.set_router_replay_data(original_set, *args, **kwargs)
+
+        def forward_backward_batch(engine, data, loss_function, forward_only=False):
+            return hooked_call(hook, original_fbb, engine, data, loss_function, forward_only)
+
+        ep.replace(SET_REPLAY_DATA, set_router_replay_data)
+        ep.replace(FORWARD_BACKWARD, forward_backward_batch)
+
+    def install_routers(self) -> None:
+        """Native routes and Fisher gradients of Megatron's routers reach the hook.
+
+        It imports only verl's router-replay patch and Megatron's router, not verl's engine, so a
+        benchmark can drive the hook where verl's trainer dependencies are not installed.
+        """
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        from verl.utils.megatron.router_replay_patch import apply_router_replay_patch
+
+        # verl applies its patch when an R3 engine is built; applying it first lets us wrap the
+        # patched routing. verl's later call returns early for an already patched TopKRouter. The
+        # check keeps the router registry intact when the model already exists.
+        if not getattr(TopKRouter, "_router_replay_patched", False):
+            apply_router_replay_patch()
+        original_topk = ep.original(REPLAY_TOPK)
+        original_routing = ep.original(ROUTING)
+
+        def get_replay_topk(replay, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            return self.get_replay_topk(original_topk, replay, scores, topk, num_groups, group_topk,
+                                        default_compute_topk)
+
+        def routing(router, logits, *args, **kwargs):
+            self.watch_logit_gradients(router, logits)
+            return original_routing(router, logits, *args, **kwargs)
+
+        ep.replace(REPLAY_TOPK, get_replay_topk)
+        ep.replace(ROUTING, routing)
+
+    def uninstall(self) -> None:
+        for point in (REPLAY_TOPK, ROUTING, SET_REPLAY_DATA, FORWARD_BACKWARD, SET_TARGETS):
+            ep.restore(point)
+        self._routers.clear()
+        self._targets.clear()
+
+    # ----------------------------------------------------------------- verl-facing methods
+    def set_router_replay_data(self, original, layers_topk_idx, attention_mask, tf_config, vp_rank=None,
+                               replay_mask=None, local_cp_size=None, model=None):
+        """verl's ``set_router_replay_data`` with ablate's mask in place of R3's per-token mask."""
+        hook = self.hook
+        info = hook.current_call()
+        if info is None or replay_mask is None or model is None or not getattr(layers_topk_idx, "is_nested", False):
+            # Not an R3 micro-batch of an ablate cell (R2, BSHD input, outside a hooked call).
+            return original(layers_topk_idx, attention_mask, tf_config, vp_rank, replay_mask=replay_mask,
+                            local_cp_size=local_cp_size, model=model)
+        from verl.utils.megatron.router_replay_utils import iter_model_routers
+
+        rollout, offsets = layers_topk_idx.values(), layers_topk_idx.offsets()
+        routers = list(iter_model_routers(model))
+        for number, replay in routers:
+            column = info.layer_columns[number - 1]
+            self._routers[id(replay)] = _Router(replay, column, info.moe_layer(column))
+        counted = self.counting_rank([number for number, _ in routers], info)
+        augmented = hook.augmented_routes(vp_rank or 0, rollout, replay_mask.values(), offsets, counted=counted)
+        packed = torch.nested.nested_tensor_from_jagged(augmented, offsets=offsets)
+        with self._splitting_targets(info.topk):
+            original(packed, attention_mask, tf_config, vp_rank, replay_mask=None, local_cp_size=local_cp_size,
+                     model=model)
+
+    @contextlib.contextmanager
+    def _splitting_targets(self, topk: int):
+        """While verl distributes augmented routes, split each router's columns back apart."""
+        original = ep.original(SET_TARGETS)
+
+        def set_target_indices(replay, topk_indices: Tensor, replay_mask: Tensor | None = None):
+            targets = split_augmented(topk_indices, topk)
+            self._targets[id(targets.mask)] = (targets.mask, targets)
+            original(replay, targets.routes, replay_mask=targets.mask)
+
+        ep.replace(SET_TARGETS, set_target_indices)
+        try:
+            yield
+        finally:
+            ep.restore(SET_TARGETS)
+
+    def _targets_of(self, mask: Tensor | None) -> LayerTargets | None:
+        found = self._targets.get(id(mask)) if mask is not None else None
+        return found[1] if found is not None and found[0] is mask else None
+
+    def get_replay_topk(self, original, replay, scores, topk, num_groups, group_topk, default_compute_topk):
+        """verl's masked replay, its native top-k (computed anyway) reported to the hook."""
+        from verl.utils.megatron.router_replay_patch import RouterReplayAction
+
+        forward = replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD
+        targets = self._targets_of(replay.target_replay_mask) if forward else None
+        router = self._routers.get(id(replay))
+        if targets is None or router is None or router.replay is not replay:
+            return original(replay, scores, topk, num_groups, group_topk, default_compute_topk)
+        captured = []
+
+        def compute_native(s, k, num_groups=None, group_topk=None):
+            probs, indices = default_compute_topk(s, k, num_groups=num_groups, group_topk=group_topk)
+            captured.append((s, indices))
+            return probs, indices
+
+        out = original(replay, scores, topk, num_groups, group_topk, compute_native)
+        if captured:
+            with torch.no_grad():
+                self.hook.observe(router.column, targets.rows, captured[0][1], captured[0][0])
+        return out
+
+    def watch_logit_gradients(self, router, logits: Tensor) -> None:
+        """Per-token squared router-logit gradients of a replaying router go to the Fisher estimate."""
+        replay = getattr(router, "router_replay", None)
+        if replay is None or not torch.is_grad_enabled() or not logits.requires_grad:
+            return
+        targets = self._targets_of(_pending_mask(replay))
+        slot = self._routers.get(id(replay))
+        if targets is not None and slot is not None and slot.replay is replay:
+            hook, layer, valid = self.hook, slot.moe_layer, targets.valid
+            logits.register_hook(lambda grad: hook.add_fisher(layer, grad, valid))
+
+
+def _pending_mask(replay) -> Tensor | None:
+    """The mask the router is about to use: current target, or the next backward-recompute one."""
+    from verl.utils.megatron.router_replay_patch import RouterReplayAction
+
+    if replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD:
+        return replay.target_replay_mask
+    if replay.router_replay_action == RouterReplayAction.REPLAY_BACKWARD and replay.replay_backward_mask_list:
+        return replay.replay_backward_mask_list[0]
+    return None
+
+
+# --------------------------------------------------------------------- install in the actor only
+def is_r3_actor(engine) -> bool:
+    """A Megatron engine that trains a policy with R3: not a critic, not a forward-only reference."""
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead, MegatronEngineWithValueHead
+
+    config = engine.engine_config
+    policy = isinstance(engine, MegatronEngineWithLMHead) and not isinstance(engine, MegatronEngineWithValueHead)
+    return policy and config.router_replay.mode == "R3" and not config.forward_only
+
+
+def arm(make_hook: Callable[[], Any]) -> None:
+    """Install ``make_hook()`` when this process builds an R3 Megatron actor engine (:func:`.base.arm`)."""
+    arm_engine(INIT, is_r3_actor, make_hook)
