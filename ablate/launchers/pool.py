@@ -14,9 +14,11 @@ and names the dead one only in a debug message. Here each worker is a process of
 Workers outlive a launch: the next batch of the sweep (an Optuna study launches one batch per
 ``n_jobs`` trials) reuses them, as joblib reuses its pool. They end with the sweep's process.
 
-A worker starts with SIGINT, SIGTERM and SIGHUP blocked and unblocks them when it is ready for a
-job, so a Ctrl-C while it starts ends it quietly, not with a traceback; the pool defers a signal
-of its own while it starts one (:func:`ablate.interrupts.deferred`). Jobs and results travel
+A worker ignores SIGINT and SIGHUP (a Ctrl-C, a closed terminal) but in a cell, whose handlers
+record them: the pool ends its workers itself, and a worker that died of a Ctrl-C between the end
+of its job and its reply would lose the reply. It starts with them blocked until it ignores them,
+so one that comes while it starts leaves no traceback; the pool defers a signal of its own while
+it starts a worker (:func:`ablate.interrupts.deferred`). Jobs and results travel
 pickled with cloudpickle, as with joblib, Ray and submitit: a Hydra app's task function cannot be
 pickled by its name.
 """
@@ -62,7 +64,7 @@ class Pool:
         self.size = size
         self.context = multiprocessing.get_context("spawn")
         self.workers: list[_Worker] = []
-        self.closed_at_exit = False
+        self.ends_at_exit = False
 
     def run(self, jobs: Sequence[HydraJob]) -> list[JobReturn]:
         """Run ``jobs`` on at most ``size`` workers; their returns, in order."""
@@ -94,7 +96,7 @@ class Pool:
         import cloudpickle
 
         for worker in [w for w in self.workers if w.job is None and not w.process.is_alive()]:
-            self._drop(worker)  # it ended between jobs (a signal of its own): nothing was lost
+            self._drop(worker)  # it was ended between jobs (killed): it held no job
         while queue:
             idle = [w for w in self.workers if w.job is None]
             if not idle and len(self.workers) >= self.size:
@@ -119,9 +121,9 @@ class Pool:
             worker = _Worker(process, ours)
             self.workers.append(worker)
             theirs.close()
-        if not self.closed_at_exit:  # before multiprocessing's own exit handler, which would wait for idle workers
+        if not self.ends_at_exit:  # before multiprocessing's own exit handler, which would wait for idle workers
             atexit.register(self.close)
-            self.closed_at_exit = True
+            self.ends_at_exit = True
         return worker
 
     def _collect(self, jobs: Sequence[HydraJob], results: dict[int, JobReturn], timeout: float) -> None:
@@ -182,8 +184,10 @@ def serve(connection: Connection) -> None:
     """A worker: run the jobs the pool sends, one at a time, until it sends an empty message."""
     import cloudpickle
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED)
     try:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED)
         while True:
             message = connection.recv_bytes()
             if not message:
@@ -196,5 +200,5 @@ def serve(connection: Connection) -> None:
                 reply = cloudpickle.dumps(JobReturn(overrides=job.overrides, status=JobStatus.FAILED,
                                                     _return_value=RuntimeError(f"its return cannot be pickled: {error}")))
             connection.send_bytes(reply)
-    except (KeyboardInterrupt, EOFError, OSError):
-        return  # a signal between jobs, or the sweep is gone: no cell of this worker is left to record
+    except (EOFError, OSError):
+        return  # the sweep is gone
