@@ -7,15 +7,18 @@ Both run the same grid of short noop cells on two worker processes through ablat
   the sweeper called it before ablate had its own (needs hydra-joblib-launcher installed).
 Each grid runs once as one launch, and once in launches of two cells (``hydra.sweeper.max_batch_size=2``,
 as an Optuna study with ``n_jobs=2`` launches its trials), where a pool that keeps its workers
-between launches pays their start once. Figures are the best wall time of ``--repeats`` runs.
+between launches pays their start once. The two commands run in turn, ``--repeats`` pairs, and
+the figures are medians: of each command's wall time, and of the ratio pair by pair (which holds
+when the machine's speed drifts).
 
-    python bench/bench_local_launcher.py [--cells 12] [--repeats 3]
+    python bench/bench_local_launcher.py [--cells 12] [--repeats 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -27,7 +30,7 @@ JOBLIB = "hydra.launcher._target_=hydra_plugins.hydra_joblib_launcher.joblib_lau
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", type=int, default=12)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as out:
         env = {**os.environ, "WANDB_SILENT": "true"}
@@ -38,10 +41,12 @@ def main() -> None:
                     f"store_dir={out}/runs", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", *extra]
 
         for batches, extra in (("one launch", []), ("launches of 2", ["hydra.sweeper.max_batch_size=2"])):
-            ablate = min(timed(grid(*extra), env) for _ in range(args.repeats))
-            joblib = min(timed(grid(*extra, JOBLIB), env) for _ in range(args.repeats))
+            pairs = [(timed(grid(*extra), env), timed(grid(*extra, JOBLIB), env)) for _ in range(args.repeats)]
+            ablate = statistics.median(a for a, _ in pairs)
+            joblib = statistics.median(j for _, j in pairs)
+            ratio = statistics.median(a / j for a, j in pairs)
             print(f"{args.cells} cells, {batches:<14} ablate {ablate:6.2f} s   Hydra's joblib {joblib:6.2f} s   "
-                  f"ratio {ablate / joblib:.2f}")
+                  f"ratio (median of pairs) {ratio:.2f}")
 
 
 if __name__ == "__main__":
