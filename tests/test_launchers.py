@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 from hydra import compose, initialize_config_module
+from hydra.core.config_store import ConfigStore
 from hydra.core.utils import JobReturn, JobStatus
 
 from ablate.launchers.jobs import WorkerLost, cores, without_result
@@ -22,6 +23,9 @@ PLUGINS = "hydra_plugins.ablate_launchers.launchers"
 @pytest.mark.parametrize(("choice", "launcher"), [("local", "LocalLauncher"), ("joblib", "LocalLauncher"),
                                                   ("ray", "RayLauncher"), ("submitit_local", "SubmititLocalLauncher")])
 def test_the_launcher_names_select_ablates_launchers_whatever_hydra_plugins_are_installed(choice, launcher):
+    # What Hydra's plugin of that name registers when Hydra scans its plugins (installed or not here).
+    ConfigStore.instance().store(group="hydra/launcher", name=choice, node={"_target_": "hydra_plugins.other.Launcher"},
+                                 provider="another plugin")
     with initialize_config_module(config_module="ablate.conf", version_base="1.3"):
         cfg = compose("config", overrides=[f"hydra/launcher={choice}"], return_hydra_config=True)
     assert cfg.hydra.launcher._target_ == f"{PLUGINS}.{launcher}"
