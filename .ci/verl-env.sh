@@ -33,7 +33,7 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 # gpu extra is CUDA wheels (flash-attn, nccl): everything the engine imports of it is already here.
 "${PIP[@]}" --no-deps veomni==0.1.12
 # ablate itself, editable, plus the core runtime deps from pyproject.toml (torch is already pinned).
-"${PIP[@]}" torch==2.13.0 "optuna>=4.0" "wandb>=0.31" "filelock>=3.12" "psutil>=5.9" "tqdm>=4.66"
+"${PIP[@]}" torch==2.13.0 "optuna>=4.0" "wandb>=0.31" "filelock>=3.12" "psutil>=5.9" "tqdm>=4.66" "cloudpickle>=2.2"
 # The analysis extra: the CPU tier analyses the sweep it ran.
 "${PIP[@]}" torch==2.13.0 "matplotlib>=3.8" "scipy>=1.15" "wandb-workspaces>=0.4.13,<0.5" "hydra-joblib-launcher>=1.2" "joblib<1.6"
 "${PIP[@]}" --no-deps -e "$REPO"

@@ -8,9 +8,11 @@ SIGTERM and SIGHUP raise :class:`Interrupted`, a
 Hydra's launchers let it through instead of recording one failed job and moving on). A second
 signal while the first is being handled is ignored, so the cleanup is not cut short.
 
-A sweep that is stopping also tells the cells that have not started yet, in other processes,
-not to start: :func:`request_stop` writes a file named by an environment variable that every
-worker process inherits, and :func:`check_not_stopping` raises :class:`Interrupted` there.
+A sweep that is stopping also tells the jobs it launched in other processes, which its signal
+may not reach (SIGTERM or SIGHUP sent to the sweep alone): :func:`request_stop` writes a file named
+by an environment variable that every worker process inherits. There, :func:`check_not_stopping`
+keeps a cell from starting, and :func:`stop_when_requested` interrupts a running one as the
+sweep's signal would.
 """
 
 from __future__ import annotations
@@ -53,11 +55,14 @@ def as_interrupted(error: KeyboardInterrupt) -> Interrupted:
     return error if isinstance(error, Interrupted) else Interrupted(_state["received"] or signal.SIGINT)
 
 
-_state = {"depth": 0, "stopping": False, "received": 0}
+_state = {"depth": 0, "stopping": False, "received": 0, "deferred": 0, "pending": 0}
 
 
 def _raise(signum: int, frame: FrameType | None) -> None:
     if _state["stopping"]:  # the first signal wins; the cleanup it started must not be cut short
+        return
+    if _state["deferred"]:
+        _state["pending"] = _state["pending"] or signum
         return
     _state["stopping"] = True
     _state["received"] = signum
@@ -101,6 +106,23 @@ def restore_handlers() -> None:
             signal.signal(signum, _raise)
 
 
+@contextmanager
+def deferred() -> Iterator[None]:
+    """Within the block, a signal that would raise :class:`Interrupted` waits for the block's end.
+
+    For work that a signal must not cut in two: a worker process half started would print a
+    traceback of its own and be left to no one.
+    """
+    _state["deferred"] += 1
+    try:
+        yield
+    finally:
+        _state["deferred"] -= 1
+        pending, _state["pending"] = _state["pending"], 0
+        if pending and not _state["deferred"]:
+            _raise(pending, None)
+
+
 def request_stop(signum: int) -> None:
     """Tell this sweep's worker processes (see :data:`STOP_FILE_ENV`) not to start another cell."""
     path = os.environ.get(STOP_FILE_ENV)
@@ -109,14 +131,62 @@ def request_stop(signum: int) -> None:
             handle.write(str(int(signum)))
 
 
-def check_not_stopping() -> None:
-    """Raise :class:`Interrupted` with the sweep's signal if the sweep that launched this cell stops."""
+def requested_stop() -> int | None:
+    """The signal of the sweep that launched this process if it is stopping, else None."""
     path = os.environ.get(STOP_FILE_ENV)
     if not path:
-        return
+        return None
     try:
         with open(path) as handle:
             recorded = handle.read().strip()
     except FileNotFoundError:
+        return None
+    return int(recorded) if recorded.isdigit() else signal.SIGTERM
+
+
+def check_not_stopping() -> None:
+    """Raise :class:`Interrupted` with the sweep's signal if the sweep that launched this cell stops."""
+    signum = requested_stop()
+    if signum is not None:
+        raise Interrupted(signum)
+
+
+@contextmanager
+def stop_when_requested(interval: float = 0.2) -> Iterator[None]:
+    """Within the block, a stop of the sweep (:func:`request_stop`) interrupts this process as the
+    sweep's signal would, unless a signal reached the process first.
+
+    A thread polls the stop file every ``interval`` seconds and sends the sweep's signal to the
+    main thread (which a blocking call there gives up for), while the main thread handles that
+    signal in Python: a signal left to its default action (SIGTERM would kill the process) or
+    ignored waits until a cell installs its handlers. ablate's handler takes the signal once;
+    another handler (Python's own for SIGINT) gets it once. Only from the main thread.
+    """
+    if not os.environ.get(STOP_FILE_ENV) or threading.current_thread() is not threading.main_thread():
+        yield
         return
-    raise Interrupted(int(recorded) if recorded.isdigit() else signal.SIGTERM)
+    main = threading.main_thread().ident
+    assert main is not None
+    done = threading.Event()
+    lock = threading.Lock()  # once the block has ended, no signal is sent into the code after it
+
+    def watch() -> None:
+        sent = False
+        while not done.wait(interval):
+            signum = requested_stop()
+            with lock:
+                if signum is None or _state["received"] or done.is_set():
+                    continue
+                handler = signal.getsignal(signum)
+                if handler is _raise or (callable(handler) and not sent):
+                    signal.pthread_kill(main, signum)
+                    sent = True
+
+    thread = threading.Thread(target=watch, daemon=True, name="ablate-stop-watch")
+    thread.start()
+    try:
+        yield
+    finally:
+        with lock:
+            done.set()
+        thread.join()

@@ -1,20 +1,27 @@
-"""The private Hydra functions the grid sweeper relies on, pinned to the Hydra series they were read from.
+"""What ablate takes from Hydra beyond its public API, pinned to the Hydra series it was read from.
 
-A Hydra release that renames or changes them fails here, with the name of what moved, rather than
-in the middle of a sweep.
+A Hydra release that renames or changes any of it fails here, with the name of what moved, rather
+than in the middle of a sweep: the private functions the grid sweeper composes jobs with
+(``hydra_private.py``), the helpers that Hydra's public ``ConfigSource`` base gives its subclasses
+(the sweeps source), and the grid expansion the grid sweeper repeats from Hydra's basic sweeper.
 """
 
 import hydra
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra._internal.utils import create_config_search_path
+from hydra.core.object_type import ObjectType
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.plugins.config_source import ConfigSource
 from omegaconf import OmegaConf
 
+from hydra_plugins.ablate_grid_sweeper.grid_sweeper import grid_jobs
 from hydra_plugins.ablate_grid_sweeper.hydra_private import (
     HYDRA_SERIES,
     ConfigLoaderImpl,
     apply_overrides,
     config_repository,
 )
+from hydra_plugins.ablate_sweeps.sweeps_source import AblateSweepsConfigSource
 
 
 def test_the_installed_hydra_is_the_series_the_private_functions_were_read_from():
@@ -35,3 +42,20 @@ def test_value_overrides_are_applied_in_place_as_hydra_applies_them():
     overrides = OverridesParser.create().parse_overrides(["a=10", "b.c='x, y'", "~d", "+f=5", "++e=6"])
     apply_overrides(overrides, cfg)
     assert OmegaConf.to_container(cfg) == {"a": 10, "b": {"c": "x, y"}, "e": 6, "f": 5}
+
+
+def test_the_config_source_helpers_the_sweeps_source_uses_are_there():
+    assert ConfigSource._normalize_file_name("sweeps/smoke") == "sweeps/smoke.yaml"
+    assert ConfigSource._get_header_dict("# @package _global_\na: 1\n")["package"] == "_global_"
+    source = AblateSweepsConfigSource(provider="ablate-sweeps", path="ablate-sweeps://ablate.sweeps")
+    assert source.available() and source.is_group("sweeps") and source.is_config("sweeps/smoke")
+    assert "smoke" in source.list("sweeps", ObjectType.CONFIG) and source.list("", None) == ["sweeps"]
+    loaded = source.load_config("sweeps/smoke")
+    assert loaded.header["package"] == "_global_" and "hydra" in loaded.config
+
+
+def test_the_grid_is_expanded_as_hydras_basic_sweeper_expands_it():
+    arguments = ["policy=random,fisher", "budget=0.1,0.5", "seed=range(0,3)", "+x=1", "seed=4,5", "~y",
+                 "tag='a, b'", "backend=noop"]
+    overrides = OverridesParser.create().parse_overrides(arguments)
+    assert grid_jobs(overrides) == BasicSweeper.split_arguments(overrides, None)[0]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from conftest import compose_config
 
-from ablate.launchers import settle
+from ablate.launchers.stopping import settle
 from ablate.store import CellState, atomic_write_json, held
 from ablate.sweep import Pace, plan_grid, progress_line, tally
 

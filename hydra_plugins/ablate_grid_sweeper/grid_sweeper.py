@@ -1,7 +1,7 @@
 """``hydra/sweeper=ablate_grid``: Hydra's grid expansion, made budget-matched and resumable.
 
-The grid is expanded exactly as Hydra's basic sweeper does (command-line sweeps and
-``hydra.sweeper.params``); :func:`ablate.sweep.plan_grid` then collapses ``none``/``full`` to one
+The grid is expanded as Hydra's basic sweeper expands it (:func:`grid_jobs`: command-line sweeps
+and ``hydra.sweeper.params``); :func:`ablate.sweep.plan_grid` then collapses ``none``/``full`` to one
 cell per seed, validates every cell and skips the complete ones, and only the remaining cells
 go to the configured launcher (in process, joblib, Ray, submitit). Cells that another live
 worker is running are waited for. At the end it prints a tally and fails (exit status 1) if any
@@ -11,6 +11,7 @@ cell is recorded as interrupted, the tally is printed, and the exit status is 13
 
 
 import copy
+import itertools
 import logging
 import sys
 from dataclasses import dataclass
@@ -19,9 +20,14 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
+from hydra.core.plugins import Plugins
+from hydra.errors import HydraException
+from hydra.plugins.launcher import Launcher
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from .hydra_private import BasicSweeper, ConfigLoaderImpl, apply_overrides, config_repository
+from .hydra_private import ConfigLoaderImpl, apply_overrides, config_repository
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +35,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class AblateGridSweeperConf:
     _target_: str = "hydra_plugins.ablate_grid_sweeper.grid_sweeper.AblateGridSweeper"
-    #: Cells handed to the launcher at once (None: all, or for submitit_local as many as the machine
-    #: has cores, since it starts a process per cell at once); progress is reported either way.
+    #: Cells handed to the launcher at once (None: all); progress is reported either way.
     max_batch_size: Optional[int] = None
     #: The grid, as in Hydra's basic sweeper: {key: "v1,v2,..."}.
     params: Optional[dict[str, str]] = None
@@ -154,12 +159,40 @@ class JobComposer:
 _ABSENT = object()
 
 
-class AblateGridSweeper(BasicSweeper):
+def grid_jobs(overrides: list[Override]) -> list[list[str]]:
+    """Every job of the grid, as Hydra's basic sweeper expands it: the product of each key's values,
+    in the order the keys first appear (a key given twice keeps its last values)."""
+    values: dict[str, list[str]] = {}
+    for override in overrides:
+        key = override.get_key_element()
+        if not override.is_sweep_override():
+            values[key] = [f"{key}={override.get_value_element_as_str()}"]
+        elif override.is_discrete_sweep():
+            values[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
+        else:
+            assert override.value_type is not None
+            raise HydraException(f"the grid sweeper does not support sweep type : {override.value_type.name}")
+    return [list(job) for job in itertools.product(*values.values())]
+
+
+class AblateGridSweeper(Sweeper):
     def __init__(self, max_batch_size: Optional[int], params: Optional[dict[str, str]] = None,
                  progress_interval: float = 2.0, dry_run: bool = False) -> None:
-        super().__init__(max_batch_size=max_batch_size, params=params)
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"hydra.sweeper.max_batch_size={max_batch_size}: expected a number of cells >= 1, or "
+                             "null for all of them")
+        self.max_batch_size = max_batch_size
+        self.params = dict(params or {})
         self.progress_interval = progress_interval
         self.dry_run = dry_run
+        self.config: Optional[DictConfig] = None
+        self.hydra_context: Optional[HydraContext] = None
+        self.launcher: Optional[Launcher] = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.config, self.hydra_context = config, hydra_context
+        self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context,
+                                                                task_function=task_function, config=config)
 
     def sweep(self, arguments: list[str]) -> Any:
         """Plan, launch and tally; an interpolation that cannot resolve ends it in one line."""
@@ -176,7 +209,7 @@ class AblateGridSweeper(BasicSweeper):
     def _sweep(self, arguments: list[str]) -> Any:
         from ablate.config import ConfigError
         from ablate.interrupts import as_interrupted, signals_interrupt
-        from ablate.launchers import default_batch_size, launch, settle, stop_file
+        from ablate.launchers.stopping import settle, stop_file
         from ablate.overrides import quoted_override
         from ablate.store import is_disk_full, store_root
         from ablate.sweep import (
@@ -196,7 +229,7 @@ class AblateGridSweeper(BasicSweeper):
         # A sweep file's plugins: their policies become `policy` options before the jobs compose.
         load_command_plugins([str(module) for module in self.config.get("plugins") or ()])
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
-        overrides = parser.parse_overrides([*self._parse_config(), *arguments])
+        overrides = parser.parse_overrides([*(f"{key}={value}" for key, value in self.params.items()), *arguments])
         empty = empty_sweeps(overrides)
         if empty:
             print(f"ablate: {empty[0]} gives no value: a grid with an empty sweep has no cells (expected at least "
@@ -204,7 +237,7 @@ class AblateGridSweeper(BasicSweeper):
             raise SystemExit(2)
         for note in repeated_values(overrides):
             print(f"ablate: {note}: each cell runs once", file=sys.stderr, flush=True)
-        jobs = [job for batch in self.split_arguments(overrides, None) for job in batch]
+        jobs = grid_jobs(overrides)
         # Every worker writes to the same store, wherever its working directory is (Ray, SLURM).
         # Quoted: Hydra parses it again, and a path may hold any character ("p (copy)", "é", ",").
         store = quoted_override("store_dir", str(store_root(str(self.config.store_dir))))
@@ -227,7 +260,7 @@ class AblateGridSweeper(BasicSweeper):
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
 
         to_launch = [cell for cell in planned if cell.to_launch]
-        batch_size = self.max_batch_size or default_batch_size(self.launcher, len(to_launch))
+        batch_size = self.max_batch_size or max(len(to_launch), 1)
         returns = []
         stopped = full = None
         reporter = ProgressReporter(sweep_name, planned, interval=self.progress_interval)
@@ -235,7 +268,8 @@ class AblateGridSweeper(BasicSweeper):
             try:
                 with signals_interrupt():
                     for start in range(0, len(to_launch), batch_size):
-                        returns.append(launch(self.launcher, to_launch[start : start + batch_size], start))
+                        batch = [list(cell.overrides) for cell in to_launch[start : start + batch_size]]
+                        returns.append(self.launcher.launch(batch, initial_job_idx=start))
                     wait_for_others(planned, self.progress_interval)
             except KeyboardInterrupt as error:
                 stopped = as_interrupted(error)

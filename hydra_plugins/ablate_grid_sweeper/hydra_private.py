@@ -12,14 +12,13 @@ from __future__ import annotations
 
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra._internal.config_repository import IConfigRepository
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig
 
 #: The Hydra release series these functions were read from (pyproject.toml pins hydra-core <1.4).
 HYDRA_SERIES = "1.3"
 
-__all__ = ["HYDRA_SERIES", "BasicSweeper", "ConfigLoaderImpl", "apply_overrides", "config_repository"]
+__all__ = ["HYDRA_SERIES", "ConfigLoaderImpl", "apply_overrides", "config_repository"]
 
 
 def config_repository(loader: ConfigLoaderImpl, config_name: str | None) -> IConfigRepository:

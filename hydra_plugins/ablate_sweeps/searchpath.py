@@ -1,7 +1,13 @@
-"""Adds ``ablate-sweeps://ablate.sweeps`` to the search path of ablate's own app.
+"""What ablate's own app adds to Hydra once Hydra has found its plugins: its sweeps and its launchers.
 
-A search-path plugin rather than ``hydra.searchpath`` in ``conf/config.yaml``: Hydra lists the
-groups of ``--help`` from the search path it starts with, before it reads the primary config.
+- ``ablate-sweeps://ablate.sweeps`` on the search path. A search-path plugin rather than
+  ``hydra.searchpath`` in ``conf/config.yaml``: Hydra lists the groups of ``--help`` from the
+  search path it starts with, before it reads the primary config.
+- ablate's launchers as the ``hydra/launcher`` options ``local``, ``joblib``, ``ray`` and
+  ``submitit_local`` (:func:`hydra_plugins.ablate_launchers.launchers.register_configs`). Hydra's
+  launcher plugins register configs under the same names when Hydra scans its plugins; a
+  search-path plugin runs after that scan, so ablate's entries are the ones the app composes.
+
 Other Hydra apps in the environment (verl's ``main_ppo``) are left untouched.
 """
 
@@ -14,6 +20,10 @@ SWEEPS = "ablate-sweeps://ablate.sweeps"
 
 class AblateSweepsSearchPath(SearchPathPlugin):
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
+        from hydra_plugins.ablate_launchers.launchers import register_configs
+
         paths = [element.path for element in search_path.get_path()]
-        if APP_CONFIGS in paths and SWEEPS not in paths:
-            search_path.append(provider="ablate-sweeps", path=SWEEPS)
+        if APP_CONFIGS in paths:
+            register_configs()
+            if SWEEPS not in paths:
+                search_path.append(provider="ablate-sweeps", path=SWEEPS)

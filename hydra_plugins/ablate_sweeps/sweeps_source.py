@@ -7,24 +7,31 @@ finds a group only as a sub-folder of a search-path root, and the one folder tha
 then walk for every ``--help`` and tab completion. This source serves exactly one group instead:
 ``sweeps/<name>`` is ``<name>.yaml`` of the package, read through ``importlib.resources``, so it
 works the same from an editable checkout and from an installed wheel. ``searchpath.py`` beside
-this module adds it to the app's search path.
+this module adds it to the app's search path. It is a ``ConfigSource``, Hydra's public base for
+config sources, with its helpers for subclasses (``_normalize_file_name``, ``_get_header_dict``,
+``_list_add_result``; tests/test_hydra_private.py pins them).
 
 No ``from __future__ import annotations``: Hydra's plugin scan executes this module outside
 ``sys.modules``.
 """
 
+import io
 import os
 from importlib import resources
 from typing import List, Optional
 
-from hydra._internal.core_plugins.importlib_resources_config_source import ImportlibResourcesConfigSource
 from hydra.core.object_type import ObjectType
-from hydra.plugins.config_source import ConfigLoadError, ConfigResult
+from hydra.plugins.config_source import ConfigLoadError, ConfigResult, ConfigSource
+from omegaconf import OmegaConf
 
 GROUP = "sweeps"
 
 
-class AblateSweepsConfigSource(ImportlibResourcesConfigSource):
+class AblateSweepsConfigSource(ConfigSource):
+    def __init__(self, provider: str, path: str) -> None:
+        super().__init__(provider=provider, path=path)
+        self.path = self.path.replace("/", ".").rstrip(".")  # a package name, as pkg:// takes it
+
     @staticmethod
     def scheme() -> str:
         return "ablate-sweeps"
@@ -40,7 +47,9 @@ class AblateSweepsConfigSource(ImportlibResourcesConfigSource):
         res = self._package_file(self._normalize_file_name(config_path))
         if res is None or not res.is_file():
             raise ConfigLoadError(f"Config not found : {config_path}")
-        return self._read_config(res)
+        text = res.read_text(encoding="utf-8")
+        return ConfigResult(config=OmegaConf.load(io.StringIO(text)), path=f"{self.scheme()}://{self.path}",
+                            provider=self.provider, header=ConfigSource._get_header_dict(text))
 
     def available(self) -> bool:
         try:
