@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import TINY
+from synthetic_configs import TINY
 
 pytestmark = pytest.mark.slow
 

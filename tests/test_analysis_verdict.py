@@ -184,7 +184,7 @@ def test_the_verdict_of_a_real_smoke_sweep_reads_its_declared_outcomes_and_trace
     import subprocess
     import sys
 
-    from conftest import TINY
+    from synthetic_configs import TINY
 
     shrink = [o for o in TINY if not o.startswith("backend.steps")]
     sweep = subprocess.run([sys.executable, "-m", "ablate", "sweeps=smoke", "policy=none,full,random,mismatch",

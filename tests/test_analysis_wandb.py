@@ -12,7 +12,7 @@ pytest.importorskip("wandb_workspaces")
 offline_reader = pytest.importorskip("ablate.tracking.offline_reader")
 
 import wandb  # noqa: E402
-from conftest import TINY  # noqa: E402
+from synthetic_configs import TINY  # noqa: E402
 
 from ablate.analysis.dashboard import (  # noqa: E402
     build_workspace,

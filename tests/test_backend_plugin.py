@@ -17,7 +17,7 @@ import pytest
 
 from ablate import backends
 from ablate.store import CellState, inspect_cell, read_records
-from conftest import compose_config
+from synthetic_configs import compose_config
 
 #: A backend module as a user writes it: its config class, its run, its one object.
 COUNTER_MODULE = '''

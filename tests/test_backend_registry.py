@@ -6,7 +6,7 @@ from ablate.backends import BACKENDS, Backend, get_backend
 from ablate.backends.noop import NoopConfig
 from ablate.backends.synthetic_config import SyntheticConfig
 from ablate.config import ConfigError
-from conftest import compose_config
+from synthetic_configs import compose_config
 
 
 def test_each_builtin_backend_is_one_object_with_its_config_class():

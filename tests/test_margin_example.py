@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY
+from synthetic_configs import TINY
 
 REPO = Path(__file__).resolve().parents[1]
 #: What a wheel of ablate is built from (copied, so that building leaves nothing in the checkout).

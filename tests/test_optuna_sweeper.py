@@ -13,7 +13,7 @@ from pathlib import Path
 import optuna
 import pandas as pd
 import pytest
-from conftest import TINY
+from synthetic_configs import TINY
 from hydra import compose, initialize_config_module
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.storages import JournalStorage

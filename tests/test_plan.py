@@ -1,6 +1,6 @@
 """Planning, resume and the tally of a grid, in process: no launcher, no subprocess multirun.
 
-The composer is Hydra's compose API on the package's configs (``conftest.compose_config``); the
+The composer is Hydra's compose API on the package's configs (``synthetic_configs.compose_config``); the
 run store is real, filled by ``run_cell`` on the noop backend or written directly where a test
 needs a state that only a crash produces.
 """
@@ -13,7 +13,7 @@ import textwrap
 from collections import Counter
 
 import pytest
-from conftest import compose_config
+from synthetic_configs import compose_config
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra._internal.utils import create_config_search_path
 from hydra.core.override_parser.overrides_parser import OverridesParser

@@ -31,7 +31,7 @@ from ablate.policies import (
 )
 from ablate.routes import Routes, native_margin
 from ablate.runner import run_cell
-from conftest import compose_config
+from synthetic_configs import compose_config
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import compose_config
+from synthetic_configs import compose_config
 
 from ablate.analysis.load import load_runs
 from ablate.analysis.probes import across_cells, hac_interval, probe_cells, step_effects, within_run

@@ -8,7 +8,7 @@ import sys
 import pandas as pd
 import pytest
 import torch
-from conftest import compose_config
+from synthetic_configs import compose_config
 from omegaconf import OmegaConf
 
 from ablate.backends.synthetic import run_cell_steps

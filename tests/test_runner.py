@@ -8,7 +8,7 @@ import sys
 
 import pandas as pd
 import pytest
-from conftest import compose_config
+from synthetic_configs import compose_config
 
 from ablate.backends import BACKENDS, Backend
 from ablate.backends.noop import NoopConfig

@@ -5,7 +5,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from conftest import compose_config
+from synthetic_configs import compose_config
 
 from ablate.launchers.stopping import settle
 from ablate.store import CellState, atomic_write_json, held

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import TINY
+from synthetic_configs import TINY
 
 from ablate.store import read_json, read_records
 

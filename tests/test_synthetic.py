@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import compose_config
+from synthetic_configs import compose_config
 from omegaconf import OmegaConf
 
 from ablate.backends.synthetic import (
