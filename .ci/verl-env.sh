@@ -35,7 +35,7 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 # ablate itself, editable, plus the core runtime deps from pyproject.toml (torch is already pinned).
 "${PIP[@]}" torch==2.13.0 "optuna>=4.0" "wandb>=0.31" "filelock>=3.12" "psutil>=5.9" "tqdm>=4.66" "cloudpickle>=2.2"
 # The analysis extra: the CPU tier analyses the sweep it ran.
-"${PIP[@]}" torch==2.13.0 "matplotlib>=3.8" "scipy>=1.15" "wandb-workspaces>=0.4.13,<0.5" "hydra-joblib-launcher>=1.2" "joblib<1.6"
+"${PIP[@]}" torch==2.13.0 "matplotlib>=3.8" "scipy>=1.15" "wandb-workspaces>=0.4.13,<0.5"
 "${PIP[@]}" --no-deps -e "$REPO"
 # The worked example policy package: the router-level tests run it beside the built-ins.
 "${PIP[@]}" --no-deps -e "$REPO/examples/margin_policy"
