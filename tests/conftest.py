@@ -21,5 +21,12 @@ def _isolated_wandb(tmp_path_factory, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
 
+
+@pytest.fixture(autouse=True)
+def _fixed_terminal_width(monkeypatch):
+    """Printed tables and legends wrap at the terminal's width: a test reads them at 100 columns,
+    whatever terminal (or none) the test run has."""
+    monkeypatch.setenv("COLUMNS", "100")
+
 # Schema violations are errors in tests (a logged warning in production).
 os.environ["ABLATE_STRICT_SCHEMA"] = "1"

@@ -287,11 +287,12 @@ def test_base_install_without_the_analysis_extra(sweep_dir, tmp_path, blocked):
 
 def test_settings_of_a_named_regime_are_no_arm_keys_of_their_own(tmp_path):
     """backend=synthetic,synthetic_async varies backend.regime and, with it, backend.rollout_lag."""
-    from ablate.analysis.load import _LoadedCell, varied_config_keys
+    from ablate.analysis.sources import LoadedCell
+    from ablate.analysis.varied import varied_config_keys
 
     def cell(regime, lag, noise):
-        return _LoadedCell(meta={}, config={"backend.regime": regime, "backend.rollout_lag": lag,
-                                            "backend.router_noise": noise}, records=pd.DataFrame())
+        return LoadedCell(meta={}, config={"backend.regime": regime, "backend.rollout_lag": lag,
+                                           "backend.router_noise": noise}, records=pd.DataFrame())
 
     cells = [cell(r, lag, n) for r, lag in (("default", 0), ("async", 2), ("lag1", 1)) for n in (0.0, 0.07)]
     assert varied_config_keys(cells) == (["backend.regime", "backend.router_noise"],
@@ -299,3 +300,32 @@ def test_settings_of_a_named_regime_are_no_arm_keys_of_their_own(tmp_path):
     # Two lags under one regime: the lag is an arm of its own.
     cells.append(cell("default", 2, 0.0))
     assert varied_config_keys(cells)[0] == ["backend.regime", "backend.rollout_lag", "backend.router_noise"]
+
+
+def test_one_read_of_a_sweep_gives_both_frames_of_load_runs(sweep_dir):
+    from ablate.analysis.load import read_sweep
+
+    with pytest.warns(ExcludedCellsWarning, match="1 failed, 1 unfinished"):
+        read = read_sweep(sweep_dir, where={"seed": 1})
+    with pytest.warns(ExcludedCellsWarning):
+        cells, steps = load_runs(sweep_dir, where={"seed": 1}), load_runs(sweep_dir, per_step=True, where={"seed": 1})
+    for mine, theirs in ((read.cells_frame(), cells), (read.steps_frame(), steps)):
+        pd.testing.assert_frame_equal(mine, theirs)
+        assert mine.attrs == theirs.attrs
+    assert set(cells["seed"]) == {1} and len(steps) == len(cells) * STEPS
+
+
+def test_outcomes_come_from_a_summary_written_after_the_records_else_from_the_records(tmp_path):
+    import os
+
+    cell = write_cell(tmp_path / "sweep", "none", 0.0, 0)
+    records, summary = cell / "records.parquet", cell / "summary.json"
+    summary.write_text(json.dumps({**json.loads(summary.read_text()), "final_reward": 123.0}))
+    os.utime(records, ns=(1_000_000_000, 1_000_000_000))
+    os.utime(summary, ns=(2_000_000_000, 2_000_000_000))
+    assert load_runs(tmp_path / "sweep")["final_reward"].iloc[0] == 123.0  # the runner's summary stands
+    os.utime(records, ns=(3_000_000_000, 3_000_000_000))  # records replaced after their summary
+    expected = cell_outcomes(_records("none", 0.0, 0))["final_reward"]
+    assert load_runs(tmp_path / "sweep")["final_reward"].iloc[0] == pytest.approx(expected)
+    summary.write_text(json.dumps({"final_reward": 123.0}))  # newer, but without every outcome
+    assert load_runs(tmp_path / "sweep")["final_reward"].iloc[0] == pytest.approx(expected)

@@ -37,7 +37,7 @@ from ablate.analysis.compute import analyse, design_lines
 from ablate.analysis.export import export_table, to_markdown
 from ablate.analysis.extras import MissingExtraError
 from ablate.analysis.families import parse_selector
-from ablate.analysis.load import CorruptCellError, ExcludedCellsWarning, load_runs, parse_where, sweep_dir
+from ablate.analysis.load import CorruptCellError, ExcludedCellsWarning, load_runs, parse_where, read_sweep, sweep_dir
 from ablate.analysis.printer import Printer, effects_legend
 from ablate.analysis.probes import PROBE_OUTCOMES, across_cells, step_effects, within_run
 from ablate.analysis.settings import INTERVAL_METHODS, AnalysisSettings, parse_outcome_values
@@ -213,9 +213,9 @@ def _analyse(args: argparse.Namespace, where: dict[str, Any]) -> int:
     with warnings.catch_warnings():
         # load_runs also logs the exclusion; the CLI prints it once, below, in its own words.
         warnings.simplefilter("ignore", ExcludedCellsWarning)
-        cells = load_runs(directory, on_corrupt=on_corrupt, where=where)
-        steps = (load_runs(directory, per_step=True, on_corrupt=on_corrupt, where=where)
-                 if not args.no_plots or args.survival else None)
+        read = read_sweep(directory, on_corrupt=on_corrupt, where=where)  # one read for both frames
+    cells = read.cells_frame()
+    steps = read.steps_frame() if not args.no_plots or args.survival else None
     excluded = cells.attrs["excluded"]
     print(f"sweep {directory}: {len(cells)} complete cells")
     print("excluded: " + ", ".join(f"{kind}={n}" for kind, n in excluded.items()))

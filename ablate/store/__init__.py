@@ -28,6 +28,7 @@ _EXPORTS = {
     "CellBusy": "ablate.store.claims",
     "CellIdentity": "ablate.store.layout",
     "CellRecorder": "ablate.store.recorder",
+    "CellContents": "ablate.store.state",
     "CellState": "ablate.store.state",
     "CellView": "ablate.store.state",
     "Claim": "ablate.store.claims",
@@ -56,7 +57,9 @@ _EXPORTS = {
     "read_identity": "ablate.store.layout",
     "read_json": "ablate.store.files",
     "read_records": "ablate.store.layout",
+    "read_records_table": "ablate.store.layout",
     "read_summary": "ablate.store.layout",
+    "summary_with_nan": "ablate.store.layout",
     "records_frame": "ablate.store.layout",
     "remove_dead_writers_files": "ablate.store.files",
     "store_root": "ablate.store.layout",
@@ -72,6 +75,7 @@ __all__ = [
     "CellBusy",
     "CellIdentity",
     "CellRecorder",
+    "CellContents",
     "CellState",
     "CellView",
     "Claim",
@@ -100,10 +104,12 @@ __all__ = [
     "read_identity",
     "read_json",
     "read_records",
+    "read_records_table",
     "read_summary",
     "records_frame",
     "remove_dead_writers_files",
     "store_root",
+    "summary_with_nan",
     "sweep_directory",
     "this_process",
 ]
@@ -146,13 +152,15 @@ if TYPE_CHECKING:
         cell_directories,
         read_identity,
         read_records,
+        read_records_table,
         read_summary,
         records_frame,
         store_root,
+        summary_with_nan,
         sweep_directory,
     )
     from ablate.store.recorder import CellRecorder, describe_error
-    from ablate.store.state import CellState, CellView, inspect_cell
+    from ablate.store.state import CellContents, CellState, CellView, inspect_cell
 
 
 def __getattr__(name: str) -> Any:

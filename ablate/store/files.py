@@ -61,7 +61,7 @@ def atomic_write_json(path: Path, data: Mapping[str, Any]) -> None:
 
 def read_json(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_bytes())
     except FileNotFoundError:
         raise
     except (OSError, ValueError) as error:

@@ -18,12 +18,15 @@ from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
 from ablate.config import check_sweep_name
 from ablate.store.files import StoreError, read_json
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 CELL_FILE, CONFIG_FILE, STATUS_FILE = "cell.json", "config.yaml", "status.json"
 RECORDS_LOG, RECORDS_FILE, SUMMARY_FILE = "records.jsonl", "records.parquet", "summary.json"
@@ -126,7 +129,12 @@ def sweep_directory(store_dir: str | os.PathLike[str], sweep: str) -> Path:
 
 def read_summary(cell_dir: Path) -> dict[str, Any]:
     """A cell's summary, with the nulls that stand for NaN turned back into NaN."""
-    return {key: math.nan if value is None else value for key, value in read_json(cell_dir / SUMMARY_FILE).items()}
+    return summary_with_nan(read_json(cell_dir / SUMMARY_FILE))
+
+
+def summary_with_nan(summary: Mapping[str, Any]) -> dict[str, Any]:
+    """``summary.json`` as read, with the nulls that stand for NaN turned back into NaN."""
+    return {key: math.nan if value is None else value for key, value in summary.items()}
 
 
 def records_frame(rows: list[Mapping[str, Any]]) -> pd.DataFrame:
@@ -137,12 +145,8 @@ def records_frame(rows: list[Mapping[str, Any]]) -> pd.DataFrame:
 
 def read_records(cell_dir: Path) -> pd.DataFrame:
     """A cell's per-step records: the Parquet file when the cell ended, else the step log."""
-    parquet = cell_dir / RECORDS_FILE
-    if parquet.exists():
-        try:
-            return pd.read_parquet(parquet)
-        except Exception as error:  # pyarrow raises several unrelated types for a damaged file
-            raise StoreError(f"{parquet}: corrupt records file ({error}); expected Parquet written by ablate") from None
+    if (cell_dir / RECORDS_FILE).exists():
+        return read_records_table(cell_dir).to_pandas()
     rows = []
     log_file = cell_dir / RECORDS_LOG
     if log_file.exists():
@@ -154,6 +158,22 @@ def read_records(cell_dir: Path) -> pd.DataFrame:
                 if number != len(lines) - 1:  # only a cut last line is expected after a crash
                     raise StoreError(f"{log_file}:{number + 1}: corrupt step record; expected one JSON object per line") from None
     return records_frame(rows)
+
+
+def read_records_table(cell_dir: Path) -> "pa.Table":
+    """A cell's Parquet records as an Arrow table: the columnar form a reader of many cells concatenates."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = cell_dir / RECORDS_FILE
+    try:
+        data = path.read_bytes()  # one read; Arrow's own file opening costs more than these small files
+    except FileNotFoundError:
+        raise StoreError(f"{path}: missing, but the cell's status is 'complete'") from None
+    try:
+        return pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False)
+    except Exception as error:  # pyarrow raises several unrelated types for a damaged file
+        raise StoreError(f"{path}: corrupt records file ({error}); expected Parquet written by ablate") from None
 
 
 def check_parquet(path: Path) -> None:

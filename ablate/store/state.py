@@ -7,6 +7,7 @@ import errno
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ablate.store.claims import claim_holder, describe_holder
 from ablate.store.files import StoreError, read_json
@@ -16,9 +17,15 @@ from ablate.store.layout import (
     RECORDS_FILE,
     STATUS_FILE,
     SUMMARY_FILE,
+    CellIdentity,
     check_parquet,
     read_identity,
+    read_records_table,
+    summary_with_nan,
 )
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 
 class CellState(str, Enum):
@@ -56,16 +63,31 @@ class CellView:
     detail: str | None = None
     #: The warnings a complete cell recorded (a W&B run that fell back offline, a schema problem).
     warnings: tuple[str, ...] = ()
+    #: What a complete cell holds, when ``inspect_cell(..., contents=True)`` was asked for it.
+    contents: CellContents | None = None
 
 
-def inspect_cell(directory: Path, cell_id: str | None = None) -> CellView:
+@dataclass(frozen=True)
+class CellContents:
+    """A complete cell's identity, summary and records, as :func:`inspect_cell` read them to check them."""
+
+    identity: CellIdentity
+    #: ``summary.json``, with the nulls that stand for NaN turned back into NaN.
+    summary: dict[str, Any]
+    #: Every step record, read whole (the check that the records read back and the read are one).
+    records: pa.Table
+
+
+def inspect_cell(directory: Path, cell_id: str | None = None, *, contents: bool = False) -> CellView:
     """Classify one cell directory; never raises for damage, which is the ``corrupt`` state.
 
     ``cell_id``, when given, must match the identity in ``cell.json`` for the cell to count as
     complete: a directory of another config under the same name is not this cell's result. A
     complete cell counts only when its identity (every field of :class:`CellIdentity`, and the
     directory it names), config, summary and Parquet records read back (the Parquet footer is
-    checked, not every row), so a damaged cell is rerun instead of skipped, and read by no analysis.
+    checked, not every row; ``contents=True`` reads every row and hands a complete cell's identity,
+    summary and records back in :attr:`CellView.contents`: the analysis reads each file once), so
+    a damaged cell is rerun instead of skipped, and read by no analysis.
     """
     # The status is read first: most cells a sweep plans have none yet, and one failed open says
     # so without the two checks below (a file where the directory is fails as ENOTDIR, not ENOENT).
@@ -102,8 +124,11 @@ def inspect_cell(directory: Path, cell_id: str | None = None) -> CellView:
                         "failed or interrupted")
     try:
         identity = read_identity(directory)
-        read_json(directory / SUMMARY_FILE)
-        check_parquet(directory / RECORDS_FILE)
+        summary = read_json(directory / SUMMARY_FILE)
+        if contents:
+            records = read_records_table(directory)
+        else:
+            check_parquet(directory / RECORDS_FILE)
         if not (directory / CONFIG_FILE).is_file():
             raise FileNotFoundError(errno.ENOENT, "missing", str(directory / CONFIG_FILE))
     except FileNotFoundError as error:
@@ -114,4 +139,5 @@ def inspect_cell(directory: Path, cell_id: str | None = None) -> CellView:
         return CellView(directory, CellState.NEW, attempt, f"holds another cell ({identity.cell_id})")
     warnings = status.get("warnings")
     kept = tuple(str(w) for w in warnings) if isinstance(warnings, list) else ()
-    return CellView(directory, CellState.COMPLETE, attempt, warnings=kept)
+    return CellView(directory, CellState.COMPLETE, attempt, warnings=kept,
+                    contents=CellContents(identity, summary_with_nan(summary), records) if contents else None)
