@@ -29,6 +29,18 @@ def timed(command: list[str], env: dict[str, str]) -> float:
     return time.perf_counter() - start
 
 
+def bare_command(cells: int) -> list[str]:
+    """A bare Hydra multirun of ``cells`` jobs that do nothing (its outputs go under ``$BENCH_OUT``)."""
+    return [sys.executable, str(HERE / "bare_app" / "app.py"), "-m", f"seed=range({cells})"]
+
+
+def ablate_command(cells: int, out: str, tracking: str) -> list[str]:
+    """An ablate multirun of ``cells`` cells of the ``noop`` backend, in a sweep of its own under ``out``."""
+    return [sys.executable, "-m", "ablate", "-m", "backend=noop", "policy=none", f"seed=range({cells})",
+            f"sweep=bench-{time.monotonic_ns()}", f"store_dir={out}/runs", f"tracking.mode={tracking}",
+            "hydra.sweeper.progress_interval=0.5"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", type=int, default=4)
@@ -39,16 +51,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out:
         env = {**os.environ, "BENCH_OUT": out, "WANDB_SILENT": "true"}
 
-        def bare(n: int) -> list[str]:
-            return [sys.executable, str(HERE / "bare_app" / "app.py"), "-m", f"seed=range({n})"]
-
         def ablate(n: int) -> list[str]:
-            return [sys.executable, "-m", "ablate", "-m", "backend=noop", "policy=none", f"seed=range({n})",
-                    f"sweep=bench-{time.monotonic_ns()}", f"store_dir={out}/runs", f"tracking.mode={args.tracking}",
-                    "hydra.sweeper.progress_interval=0.5"]
+            return ablate_command(n, out, args.tracking)
 
         slopes = {}
-        for label, command in (("bare Hydra", bare), ("ablate", ablate)):
+        for label, command in (("bare Hydra", bare_command), ("ablate", ablate)):
             small = min(timed(command(args.small), env) for _ in range(args.repeats))
             large = min(timed(command(args.large), env) for _ in range(args.repeats))
             slopes[label] = (large - small) / (args.large - args.small)

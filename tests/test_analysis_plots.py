@@ -80,3 +80,23 @@ def test_a_policy_declares_its_look_and_one_that_does_not_gets_one_from_its_name
     assert inherited == policy_look("looks_inherited")  # the same in every sweep: from the name only
     assert plots.policy_color("looks_inherited") in plots.OTHER_COLORS
     assert policy_look("not_installed_here").color in plots.OTHER_COLORS
+
+
+def test_a_sweep_of_many_settings_draws_a_few_spread_from_the_first_to_the_last(tmp_path):
+    """38 values of a setting: each figure draws at most MAX_PANELS of them (the step curves
+    MAX_STEP_CONTEXTS), the first and the last among them, and its title says so."""
+    rows = [{"policy": policy, "budget": budget, "seed": seed, "backend.router_noise": noise / 100, "step": step,
+             "train/reward": 0.1 * step + seed, "mismatch/kl_k3": 0.01}
+            for noise in range(38) for policy, budget in (("none", 0.0), ("random", 0.5), ("full", 1.0))
+            for seed in range(2) for step in range(4)]
+    steps = pd.DataFrame(rows)
+    assert plots._spread(38, 9) == [0, 5, 9, 14, 18, 23, 28, 32, 37]
+    assert plots._spread(5, 9) == [0, 1, 2, 3, 4]
+    shown = plots._contexts(steps, ["backend.router_noise"], plots.MAX_STEP_CONTEXTS)
+    assert [title for title, _ in shown] == ["backend.router_noise=0.0", "backend.router_noise=0.18",
+                                             "backend.router_noise=0.37"]
+    assert "3 of 38 values of backend.router_noise" in plots._shown(steps, ["backend.router_noise"], shown)
+    assert plots._shown(steps, ["backend.router_noise"], plots._contexts(steps, ["backend.router_noise"], 40)) == ""
+    paths = plots.plot_step_curves(steps, tmp_path / "steps", by=["backend.router_noise"])
+    svg = next(p for p in paths if p.suffix == ".svg").read_text()
+    assert "backend.router_noise=0.18" in svg and "backend.router_noise=0.17" not in svg

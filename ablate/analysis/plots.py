@@ -7,7 +7,11 @@ touches pyplot's global state or needs a display. Each function takes the tables
 Every policy has one colour in every figure of every sweep (:func:`policy_color`; settings
 variants such as ``fisher[tau=1.0]`` share their policy's colour and differ in line style), so
 figures of different sweeps can be read side by side. A sweep with arm keys besides policy and
-budget (``backend.router_noise``) gets one panel per value of those keys.
+budget (``backend.router_noise``) gets one panel per value of those keys, up to
+:data:`MAX_PANELS` of them (:data:`MAX_STEP_CONTEXTS` for the step curves, which draw a row of
+panels per value): past that, a figure shows that many values spread evenly from the first to the
+last, and its title says how many it shows. A figure of 38 settings is neither readable nor cheap
+(the step curves of a 10,000-cell sweep were a 33 MB PNG); the tables hold every arm.
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ STEP_KEYS: tuple[str, ...] = ("train/reward", "mismatch/kl_k3")
 LINE_STYLES: tuple[Any, ...] = ("-", "--", ":", "-.", (0, (5, 1, 1, 1)), (0, (1, 3)))
 #: Selection effects: colour is the policy, the marker its baseline (hollow squares: matched).
 BASELINE_MARKERS: dict[str, str] = dict(zip(SELECTION_BASELINES, ("o", "D")))
+#: The most contexts (values of the arm keys besides policy and budget) one figure draws.
+MAX_PANELS = 9
+#: The most contexts the step curves draw: each is a row of panels per logged key.
+MAX_STEP_CONTEXTS = 3
 #: The colours a policy that declares none takes (ablate.policies.base.DERIVED_COLORS).
 OTHER_COLORS: tuple[str, ...] = DERIVED_COLORS
 
@@ -122,7 +130,8 @@ def plot_budget_response(summary: pd.DataFrame, path_stem: str | Path, *, outcom
     level = summary.attrs.get("level")
     interval = summary.attrs.get("interval", "t")
     _title(fig, f"{outcome} vs budget" + (f" (mean over seeds; bars and band: {level:.0%} {interval} interval of "
-                                          "the mean; hollow: too few seeds for one)" if level else " (mean over seeds)"))
+                                          "the mean; hollow: too few seeds for one" if level else " (mean over seeds")
+           + _shown(table, keys, panels) + ")")
     return _save(fig, path_stem)
 
 
@@ -167,7 +176,7 @@ def plot_selection_effects(effects_table: pd.DataFrame, path_stem: str | Path, *
     interval = {"exact": "inverting the exact sign-flip test", "t": "Student's t"}.get(
         effects_table.attrs.get("method", "exact"), f"{effects_table.attrs.get('method')} bootstrap")
     _title(fig, f"selection effect (paired by seed; bars: {level:.0%} interval {interval}, unadjusted; hollow: "
-                "against random at the same effective budget)")
+                f"against random at the same effective budget{_shown(rows, keys, panels)})")
     return _save(fig, path_stem)
 
 
@@ -215,7 +224,7 @@ def plot_effective_budget(
         ax.set_title(title, fontsize="small")
         ax.legend(fontsize="x-small")
     _title(fig, f"{outcome} vs effective budget (arm means; bars: 1 standard error on each axis, no "
-                "confidence interval; labels: budget)")
+                f"confidence interval; labels: budget{_shown(cells, list(by), panels)})")
     return _save(fig, path_stem)
 
 
@@ -242,7 +251,7 @@ def plot_step_curves(
         fig.add_subplot().text(0.5, 0.5, f"none of {list(STEP_KEYS)} were logged", ha="center")
         return _save(fig, path_stem)
     t = require("scipy.stats", "the step curves' intervals").t
-    contexts = _contexts(steps, list(by))
+    contexts = _contexts(steps, list(by), MAX_STEP_CONTEXTS)
     budgeted = steps.loc[~steps["policy"].isin(FIXED_BUDGET_POLICIES), "budget"]
     budgets = sorted(budgeted.unique()) or [None]
     n_rows, n_cols = len(keys) * len(contexts), len(budgets)
@@ -275,7 +284,7 @@ def plot_step_curves(
                 ax.set_ylabel(key)
                 ax.legend(fontsize="xx-small")
     _title(fig, f"mean over seeds; bold: moving average over {window} step(s), faint: raw; band: {level:.0%} "
-                "t interval of the mean over seeds at each step (pointwise), smoothed alike")
+                f"t interval of the mean over seeds at each step (pointwise), smoothed alike{_shown(steps, by, contexts)}")
     return _save(fig, path_stem)
 
 
@@ -284,14 +293,36 @@ def _title(fig: Figure, text: str) -> None:
     fig.suptitle(textwrap.fill(text, max(40, int(fig.get_figwidth() * 13))), fontsize="medium")
 
 
-def _contexts(frame: pd.DataFrame, keys: list[str]) -> list[tuple[str, pd.DataFrame]]:
+def _contexts(frame: pd.DataFrame, keys: list[str], limit: int = MAX_PANELS) -> list[tuple[str, pd.DataFrame]]:
+    """One ``(title, rows)`` per value of ``keys``, at most ``limit`` of them, spread evenly from the
+    first value to the last (:func:`_shown` says so in the figure's title)."""
     if not keys:
         return [("", frame)]
+    groups = list(frame.groupby(keys, sort=True, dropna=False))
     panels = []
-    for values, part in frame.groupby(keys, sort=True, dropna=False):
+    for index in _spread(len(groups), limit):
+        values, part = groups[index]
         values = values if isinstance(values, tuple) else (values,)
         panels.append((", ".join(f"{k}={v}" for k, v in zip(keys, values)), part))
     return panels
+
+
+def _spread(total: int, limit: int) -> list[int]:
+    """``limit`` indices of ``range(total)``, evenly spaced, the first and the last among them."""
+    if total <= limit:
+        return list(range(total))
+    return sorted({round(i * (total - 1) / (limit - 1)) for i in range(limit)}) if limit > 1 else [0]
+
+
+def _shown(frame: pd.DataFrame, keys: Sequence[str], panels: Sequence[Any]) -> str:
+    """The title's note when a figure shows fewer contexts than the sweep has ("" when it shows all)."""
+    if not keys or frame.empty:
+        return ""
+    total = len(frame.groupby(list(keys), dropna=False))
+    if len(panels) >= total:
+        return ""
+    return (f"; {len(panels)} of {total} values of {', '.join(keys)}, spread from the first to the last "
+            "(every arm is in the tables)")
 
 
 def _panels(n: int) -> tuple[Figure, list[Any]]:
@@ -352,5 +383,5 @@ def plot_collapse_survival(times: pd.DataFrame, path_stem: str | Path, *, by: Se
         ax.set_ylabel("share of seeds not collapsed")
         ax.set_title(title, fontsize="small")
         ax.legend(fontsize="xx-small")
-    _title(fig, "time to collapse (Kaplan-Meier over seeds; no interval drawn)")
+    _title(fig, f"time to collapse (Kaplan-Meier over seeds; no interval drawn{_shown(times, list(by), panels)})")
     return _save(fig, path_stem)
