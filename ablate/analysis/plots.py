@@ -44,9 +44,11 @@ LINE_STYLES: tuple[Any, ...] = ("-", "--", ":", "-.", (0, (5, 1, 1, 1)), (0, (1,
 #: Selection effects: colour is the policy, the marker its baseline (hollow squares: matched).
 BASELINE_MARKERS: dict[str, str] = dict(zip(SELECTION_BASELINES, ("o", "D")))
 #: The most contexts (values of the arm keys besides policy and budget) one figure draws.
-MAX_PANELS = 9
+MAX_PANELS = 6
 #: The most contexts the step curves draw: each is a row of panels per logged key.
-MAX_STEP_CONTEXTS = 3
+MAX_STEP_CONTEXTS = 2
+#: Past this many points in one axes, its legend goes beside the axes instead of the best place inside.
+BEST_LEGEND_POINTS = 500
 #: The colours a policy that declares none takes (ablate.policies.base.DERIVED_COLORS).
 OTHER_COLORS: tuple[str, ...] = DERIVED_COLORS
 
@@ -126,7 +128,7 @@ def plot_budget_response(summary: pd.DataFrame, path_stem: str | Path, *, outcom
         ax.set_xlabel("budget (fraction of valid routes replayed)")
         ax.set_ylabel(outcome)
         ax.set_title(title, fontsize="small")
-        ax.legend(fontsize="x-small")
+        _legend(ax, "x-small")
     level = summary.attrs.get("level")
     interval = summary.attrs.get("interval", "t")
     _title(fig, f"{outcome} vs budget" + (f" (mean over seeds; bars and band: {level:.0%} {interval} interval of "
@@ -169,7 +171,7 @@ def plot_selection_effects(effects_table: pd.DataFrame, path_stem: str | Path, *
         ax.set_ylabel(f"difference in {outcome}")
         ax.set_title(title, fontsize="small")
         if comparisons:
-            ax.legend(fontsize="x-small")
+            _legend(ax, "x-small")
         else:
             ax.text(0.5, 0.5, "no selection comparisons in this sweep", ha="center", transform=ax.transAxes)
     level = effects_table.attrs.get("level", 0.95)
@@ -222,7 +224,7 @@ def plot_effective_budget(
         ax.set_xlabel("effective budget (share of valid routes whose experts replay changed)")
         ax.set_ylabel(outcome)
         ax.set_title(title, fontsize="small")
-        ax.legend(fontsize="x-small")
+        _legend(ax, "x-small")
     _title(fig, f"{outcome} vs effective budget (arm means; bars: 1 standard error on each axis, no "
                 f"confidence interval; labels: budget{_shown(cells, list(by), panels)})")
     return _save(fig, path_stem)
@@ -282,10 +284,21 @@ def plot_step_curves(
                              fontsize="small")
                 ax.set_xlabel("step")
                 ax.set_ylabel(key)
-                ax.legend(fontsize="xx-small")
+                _legend(ax, "xx-small")
     _title(fig, f"mean over seeds; bold: moving average over {window} step(s), faint: raw; band: {level:.0%} "
                 f"t interval of the mean over seeds at each step (pointwise), smoothed alike{_shown(steps, by, contexts)}")
     return _save(fig, path_stem)
+
+
+def _legend(ax: Any, fontsize: str) -> None:
+    """The axes' legend where it hides the least data ("best"), or beside the axes when the axes
+    hold more than :data:`BEST_LEGEND_POINTS` points: matplotlib's search for the best place tries
+    every point at every candidate place, most of a figure's cost on a sweep of thousands of cells."""
+    points = sum(len(line.get_xydata()) for line in ax.lines) + sum(len(c.get_offsets()) for c in ax.collections)
+    if points <= BEST_LEGEND_POINTS:
+        ax.legend(fontsize=fontsize, loc="best")
+    else:
+        ax.legend(fontsize=fontsize, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
 
 
 def _title(fig: Figure, text: str) -> None:
@@ -382,6 +395,6 @@ def plot_collapse_survival(times: pd.DataFrame, path_stem: str | Path, *, by: Se
         ax.set_xlabel("step")
         ax.set_ylabel("share of seeds not collapsed")
         ax.set_title(title, fontsize="small")
-        ax.legend(fontsize="xx-small")
+        _legend(ax, "xx-small")
     _title(fig, f"time to collapse (Kaplan-Meier over seeds; no interval drawn{_shown(times, list(by), panels)})")
     return _save(fig, path_stem)
