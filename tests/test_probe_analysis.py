@@ -10,7 +10,7 @@ import pytest
 from synthetic_configs import compose_config
 
 from ablate.analysis.load import load_runs
-from ablate.analysis.probes import across_cells, hac_interval, probe_cells, step_effects, within_run
+from ablate.analysis.probe_effects import across_cells, hac_interval, probe_cells, step_effects, within_run
 from ablate.diagnostics import probe_key
 from ablate.probes import parse_probes, probe_table
 from ablate.runner import run_cell

@@ -9,7 +9,7 @@
 Prints the verdict first (for each outcome and policy: budget, selection, both, neither, or not
 determined at these seeds, each answer citing its table rows), then compact tables that fit 100
 columns (``--wide``: every column), the flags and the files written. Writes into ``--out``
-(default ``<sweep_dir>/analysis``), per outcome: ``table_<outcome>`` (csv, parquet, md, tex),
+(default ``<sweep>/analysis``), per outcome: ``table_<outcome>`` (csv, parquet, md, tex),
 ``effects_<outcome>`` (csv, md), ``budget_response_<outcome>``, ``selection_effects_<outcome>``
 and ``effective_budget_<outcome>`` (png, svg); once: ``cells.csv`` (one row per cell), ``flags``
 (csv, md) and ``steps`` (png, svg); with ``--plan`` ``power_<outcome>`` (csv, md) and the
@@ -37,9 +37,9 @@ from ablate.analysis.compute import analyse, design_lines
 from ablate.analysis.export import export_table, to_markdown
 from ablate.analysis.extras import MissingExtraError
 from ablate.analysis.families import parse_selector
-from ablate.analysis.load import CorruptCellError, ExcludedCellsWarning, load_runs, parse_where, read_sweep, sweep_dir
+from ablate.analysis.load import CorruptCellError, ExcludedCellsWarning, find_sweep, load_runs, parse_where, read_sweep
 from ablate.analysis.printer import Printer, effects_legend
-from ablate.analysis.probes import PROBE_OUTCOMES, across_cells, step_effects, within_run
+from ablate.analysis.probe_effects import PROBE_OUTCOMES, across_cells, step_effects, within_run
 from ablate.analysis.settings import INTERVAL_METHODS, AnalysisSettings, parse_outcome_values
 from ablate.analysis.stats import ADJUSTMENTS
 from ablate.analysis.tables import arm_keys
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("sweep", help="a sweep directory, or a sweep name inside --store")
     parser.add_argument("--store", default="runs", help="run store root used when SWEEP is a name (default: runs)")
-    parser.add_argument("--out", type=Path, help="output folder (default: <sweep_dir>/analysis)")
+    parser.add_argument("--out", type=Path, help="output folder (default: <sweep>/analysis)")
     parser.add_argument(
         "--outcome", action="append", type=_outcome, metavar="NAME",
         help="outcome to analyse, repeatable (default: the sweep's analysis.outcomes, else kl_k3_mean and "
@@ -182,13 +182,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-def _sweep_dir(args: argparse.Namespace) -> Path:
+def _sweep_directory(args: argparse.Namespace) -> Path:
     given = Path(args.sweep)
     if given.is_dir():
-        return sweep_dir(given)
+        return find_sweep(given)
     store = Path(args.store)
     if (store / args.sweep).is_dir():
-        return sweep_dir(store, args.sweep)
+        return find_sweep(store, args.sweep)
     known = sorted(p.parent.parent.name for p in store.glob("*/*/cell.json")) if store.is_dir() else []
     there = f"; sweeps there: {', '.join(sorted(set(known)))}" if known else ""
     raise FileNotFoundError(f"{args.sweep}: no such sweep directory, and no sweep {args.sweep!r} in the store {store}{there}")
@@ -202,7 +202,7 @@ def _analyse(args: argparse.Namespace, where: dict[str, Any]) -> int:
         parse_selector(text)
     margins = parse_outcome_values(args.margin, OUTCOME_NAMES, "--margin")
     detect = parse_outcome_values(args.detect, OUTCOME_NAMES, "--detect")
-    directory = _sweep_dir(args)
+    directory = _sweep_directory(args)
     if args.probes:
         return _analyse_probes(args, where, directory)
     wrong = [name for name in args.outcome or () if name not in OUTCOME_NAMES]

@@ -24,7 +24,7 @@ from typing import Any, Literal, Sequence
 
 import pandas as pd
 
-from ablate.analysis.extras import require
+from ablate.analysis.extras import import_extra
 from ablate.analysis.writing import naming
 from ablate.store import atomic_write, make_directory
 
@@ -45,8 +45,8 @@ def build_workspace(entity: str, project: str, sweep: str, arm_keys: Sequence[st
     ``arm_keys``: the config keys besides policy, settings variant and budget that vary in the
     sweep (``df.attrs["config_keys"]`` of ``load_runs``); runs are grouped by all of them.
     """
-    wr = require("wandb_workspaces.reports.v2", "The W&B workspace")
-    ws = require("wandb_workspaces.workspaces", "The W&B workspace")
+    wr = import_extra("wandb_workspaces.reports.v2", "The W&B workspace")
+    ws = import_extra("wandb_workspaces.workspaces", "The W&B workspace")
 
     def lines(keys: tuple[str, ...]) -> list[Any]:
         return [wr.LinePlot(title=key, x="Step", y=[key]) for key in keys]

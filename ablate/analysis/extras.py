@@ -2,7 +2,7 @@
 
 matplotlib, scipy and wandb-workspaces come with ``pip install 'ablate[analysis]'``, not with
 the base install, so that a cell (which only needs :mod:`ablate.outcomes`) never pulls
-them in. Every module of ``ablate.analysis`` imports them through :func:`require`, at the point
+them in. Every module of ``ablate.analysis`` imports them through :func:`import_extra`, at the point
 of use.
 """
 
@@ -18,7 +18,7 @@ class MissingExtraError(ImportError):
     """A package of the ``analysis`` extra is not installed; the message says how to get it."""
 
 
-def require(module: str, purpose: str) -> ModuleType:
+def import_extra(module: str, purpose: str) -> ModuleType:
     """Import ``module`` or raise :class:`MissingExtraError` naming what needs it and the extra."""
     try:
         return importlib.import_module(module)

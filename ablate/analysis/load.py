@@ -79,7 +79,7 @@ from ablate.analysis.varied import MISSING, varied_config_keys, varied_policy_se
 from ablate.outcomes import OUTCOME_NAMES, cell_outcomes
 
 __all__ = ["CorruptCellError", "ExcludedCellsWarning", "MixedSchemaWarning", "SweepFrames", "load_runs", "parse_where",
-           "read_sweep", "sweep_dir"]
+           "find_sweep", "read_sweep"]
 
 ID_COLUMNS: tuple[str, ...] = (
     "sweep", "cell_id", "name", "backend", "policy", "policy_name", "variant", "budget", "seed",
@@ -132,7 +132,7 @@ def _read_sweep(path: str | Path, sweep: str | None, source: Source, on_corrupt:
     if on_corrupt not in ("error", "exclude"):
         raise ValueError(f"on_corrupt={on_corrupt!r}: expected 'error' or 'exclude'")
     if source == "store":
-        loaded = read_store(sweep_dir(Path(path), sweep), on_corrupt)
+        loaded = read_store(find_sweep(Path(path), sweep), on_corrupt)
     elif source == "wandb-offline":
         from ablate.analysis.sources.wandb_offline import read_wandb_offline
 
@@ -179,7 +179,7 @@ class SweepFrames:
         return frame
 
 
-def sweep_dir(path: Path, sweep: str | None = None) -> Path:
+def find_sweep(path: Path, sweep: str | None = None) -> Path:
     """The sweep directory at ``path`` (or ``path / sweep``); an error says what is there instead."""
     directory = path / sweep if sweep else path
     if not directory.is_dir():

@@ -23,9 +23,9 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import pandas as pd
 
-from ablate.analysis.extras import require
+from ablate.analysis.extras import import_extra
 
-require("matplotlib", "Plots")
+import_extra("matplotlib", "Plots")
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
@@ -252,7 +252,7 @@ def plot_step_curves(
         fig = _figure()
         fig.add_subplot().text(0.5, 0.5, f"none of {list(STEP_KEYS)} were logged", ha="center")
         return _save(fig, path_stem)
-    t = require("scipy.stats", "the step curves' intervals").t
+    t = import_extra("scipy.stats", "the step curves' intervals").t
     contexts = _contexts(steps, list(by), MAX_STEP_CONTEXTS)
     budgeted = steps.loc[~steps["policy"].isin(FIXED_BUDGET_POLICIES), "budget"]
     budgets = sorted(budgeted.unique()) or [None]

@@ -168,12 +168,12 @@ def t_interval(x: np.ndarray, *, level: float = 0.95) -> tuple[float, float]:
     bootstrap gives about 0.87); on skewed values it undercovers less than the bootstrap does
     (the figures measured are in docs/statistics.md). ``(nan, nan)`` below two values.
     """
-    from ablate.analysis.extras import require
+    from ablate.analysis.extras import import_extra
 
     values = np.asarray(x, dtype=float).ravel()
     if values.size < 2:
         return math.nan, math.nan
-    stats = require("scipy.stats", "t intervals")
+    stats = import_extra("scipy.stats", "t intervals")
     half = float(stats.t.ppf(0.5 + level / 2.0, values.size - 1) * values.std(ddof=1) / math.sqrt(values.size))
     center = float(values.mean())
     return center - half, center + half

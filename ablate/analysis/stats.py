@@ -24,7 +24,7 @@ from typing import Callable, Literal
 
 import numpy as np
 
-from ablate.analysis.extras import require
+from ablate.analysis.extras import import_extra
 
 Statistic = Callable[..., np.ndarray]
 CiMethod = Literal["percentile", "BCa"]
@@ -46,7 +46,7 @@ def iqm(x: np.ndarray, axis: int | None = None) -> np.ndarray | float:
     values from each end, average the rest. It is robust to a few diverged seeds while using
     more data than the median. ``axis=None`` flattens.
     """
-    stats = require("scipy.stats", "the interquartile mean")
+    stats = import_extra("scipy.stats", "the interquartile mean")
     values = np.asarray(x, dtype=float)
     if values.size == 0:
         raise ValueError("iqm of an empty array")
@@ -131,7 +131,7 @@ def bootstrap_ci(
     if np.all(values == values[0]):  # every resample is the same; BCa would divide by zero
         point = snap_to_zero(float(stat(values[None, :], axis=1)[0]), scale)
         return point, point
-    stats = require("scipy.stats", "bootstrap intervals")
+    stats = import_extra("scipy.stats", "bootstrap intervals")
     result = stats.bootstrap(
         (values,), stat, n_resamples=reps, confidence_level=level, method=method,
         vectorized=True, axis=0, rng=rng,
@@ -167,7 +167,7 @@ def ratio_of_means_ci(
     ratio = float(num.mean() / den.mean())
     if num.size < 2:
         return ratio, math.nan, math.nan
-    stats = require("scipy.stats", "bootstrap intervals")
+    stats = import_extra("scipy.stats", "bootstrap intervals")
 
     def statistic(n: np.ndarray, d: np.ndarray, axis: int = -1) -> np.ndarray:
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -229,7 +229,7 @@ def sign_flip_pvalue(
             f"sign_flip_pvalue with n={n} > exact_max_n={exact_max_n} is Monte Carlo: "
             "pass rng=numpy.random.Generator"
         )
-    stats = require("scipy.stats", "the Monte Carlo sign-flip test")
+    stats = import_extra("scipy.stats", "the Monte Carlo sign-flip test")
     result = stats.permutation_test(
         (values,), np.mean, permutation_type="samples", vectorized=True, n_resamples=reps,
         alternative="two-sided", rng=rng,
@@ -262,7 +262,7 @@ def adjust_pvalues(p: np.ndarray, method: Adjustment = "holm") -> np.ndarray:
     if np.any((finite < 0) | (finite > 1)):
         raise ValueError(f"p-values outside [0, 1]: {finite[(finite < 0) | (finite > 1)]}")
     if method == "bh":
-        adjusted[tested] = require("scipy.stats", "the Benjamini-Hochberg adjustment").false_discovery_control(
+        adjusted[tested] = import_extra("scipy.stats", "the Benjamini-Hochberg adjustment").false_discovery_control(
             finite, method="bh"
         )
         return adjusted

@@ -264,7 +264,7 @@ def score_on_rank(rank, port, shares, out):
 
     import torch.distributed as dist
 
-    from ablate.backends.verl.probes import probe_mismatch
+    from ablate.backends.verl.probe_passes import probe_mismatch
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=len(shares))

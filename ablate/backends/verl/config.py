@@ -62,5 +62,5 @@ BACKEND = Backend(
     preflight=deferred("ablate.backends.verl.backend:dry_run_command"),
     # The worker hook measures router-logit gradients only.
     fisher_estimators=(Estimator.router_logits.value,),
-    scores_probes=True,   # in the old-log-prob call (ablate/backends/verl/probes.py)
+    scores_probes=True,   # in the old-log-prob call (ablate/backends/verl/probe_passes.py)
 )

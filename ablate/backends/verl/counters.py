@@ -11,7 +11,7 @@ counting in parallel training):
   (token, layer) and summed over the model-parallel group (:func:`sum_disjoint`): every entry is
   written by exactly one rank, so the sum assembles the whole micro-batch on every rank;
 - Fisher sums of router-logit gradients are per (token, layer), so a world sum is exact;
-- a probe's per-token log-probs are gathered, not summed, in rank order (:mod:`.probes`).
+- a probe's per-token log-probs are gathered, not summed, in rank order (:mod:`.probe_passes`).
 """
 
 from __future__ import annotations

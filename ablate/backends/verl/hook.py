@@ -21,7 +21,7 @@ masks. The hook:
   step there too;
 - on a probed step (``probes``, ``probe_every``: docs/probes.md) runs one more forward-only pass
   per probe in the old-log-prob call, after the pass verl gets, with the probe's own mask
-  (:mod:`.probes`); its counts and ``mismatch/`` keys join the step's keys as ``probe/<id>/...``.
+  (:mod:`.probe_passes`); its counts and ``mismatch/`` keys join the step's keys as ``probe/<id>/...``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from ablate.backends.verl import counters
 from ablate.backends.verl.engines import seam_for
 from ablate.backends.verl.engines.base import MICRO_BATCHES_KEY, CallInfo, augment_routes
 from ablate.backends.verl.metrics import step_metrics
-from ablate.backends.verl.probes import ProbeRun, probe_run
+from ablate.backends.verl.probe_passes import ProbeRun, probe_run
 from ablate.backends.verl.selection import MicroBatchSelection, select_micro_batch, sequence_keys
 from ablate.budget import check_budget
 from ablate.diagnostics.metrics import ROUTE_COUNTS
@@ -102,7 +102,7 @@ class _Call:
     selections: dict[int, MicroBatchSelection] = field(default_factory=dict)
     #: micro-batches this rank counts (it holds the first MoE layer, TP and CP rank 0).
     counted: list[int] = field(default_factory=list)
-    #: a forward that replays a probe's mask, scored and dropped (:mod:`.probes`).
+    #: a forward that replays a probe's mask, scored and dropped (:mod:`.probe_passes`).
     probe: ProbeRun | None = None
 
     def micro_batch(self, vp_rank: int, rows: int) -> int:

@@ -286,7 +286,7 @@ def hooked_call(hook, forward_backward_batch, engine, data, loss_function, forwa
     trainer logs them unchanged. Only ranks with outputs return metrics; the others only take
     part in the hook's collectives.
     """
-    from ablate.backends.verl.probes import probe_mismatch
+    from ablate.backends.verl.probe_passes import probe_mismatch
 
     info = hook.seam.call_info(engine, data, forward_only)
     if info is None:
