@@ -12,8 +12,8 @@ patterns drawn once from the caller's generator are used for every ``mu`` (Monte
 observed pattern counted once more, so the p-value stays valid: ``(1 + hits) / (1 + DRAWS)``).
 
 **The interval** is the set of ``mu`` the same test does not reject at ``alpha``:
-``{mu : p(mu) >= alpha}``, found by bisection on both sides of the mean with 0 placed in the
-bracket, so it excludes 0 exactly when ``p(0) < alpha``, whatever the data. Its coverage is
+``{mu : p(mu) >= alpha}``, its edges read off the sign patterns (:meth:`SignFlip._edges`), and
+it excludes 0 exactly when ``p(0) < alpha``, whatever the data. Its coverage is
 ``1 - alpha`` or more wherever the differences are symmetric about their mean (it is exact under
 that assumption, and robust to heavy tails); below the seed count where ``2 / 2**n >= alpha`` no
 data can reject anything and the interval is the whole line (``-inf, inf``).
@@ -122,33 +122,43 @@ class SignFlip:
         center = float(self.d.mean())
         if np.all(self.d == self.d[0]):
             return center, center
-        span = float(self.d.max() - self.d.min())
-        low = self._boundary(center, float(self.d.min()) - span, alpha)
-        high = self._boundary(center, float(self.d.max()) + span, alpha)
+        low, high = self._edges(alpha)
+        # 0 sits on the side p(0) puts it: the interval and the test agree even where 0 lies within
+        # the test's rounding tolerance of an edge.
+        if self.pvalue(0.0) >= alpha:
+            low, high = min(low, 0.0), max(high, 0.0)
         return low, high
 
-    def _boundary(self, accepted: float, rejected: float, alpha: float) -> float:
-        """The last accepted ``mu`` between ``accepted`` (p = 1) and ``rejected`` (p minimal).
+    def _edges(self, alpha: float) -> tuple[float, float]:
+        """The edges of ``{mu : p(mu) >= alpha}``, read off the sign patterns, not searched for.
 
-        0 is placed in the bracket first when it lies inside, so the side of 0 is decided by
-        ``p(0)`` itself, not by where bisection happens to stop.
+        A pattern splits the seeds into those it keeps (P) and those it flips (N); it counts
+        against ``mu`` exactly when ``sum_P(d - mu)`` and ``sum_N(d - mu)`` do not have the same
+        sign, that is when ``mu`` lies between the means of P and of N (every pattern counts when
+        P or N is empty). Each such range holds the overall mean, so going up from the mean a
+        pattern stops counting past the larger of its two means: the upper edge is the k-th
+        largest of those, where k patterns must count for ``p >= alpha``, and the lower edge is
+        the k-th smallest of the smaller means.
         """
-        if min(accepted, rejected) < 0.0 < max(accepted, rejected):
-            if self.pvalue(0.0) >= alpha:
-                accepted = 0.0
-            else:
-                rejected = 0.0
-        for _ in range(200):
-            middle = 0.5 * (accepted + rejected)
-            if middle in (accepted, rejected):
-                break
-            if self.pvalue(middle) >= alpha:
-                accepted = middle
-            else:
-                rejected = middle
-            if abs(accepted - rejected) <= 1e-13 * max(1.0, abs(accepted)):
-                break
-        return accepted
+        n, sign_sums, total = self.n, self._sign_sums, float(self.d.sum())
+        kept = (n + sign_sums) / 2.0  # |P|
+        flipped = n - kept  # |N|
+        split = (kept > 0) & (flipped > 0)
+        kept_sum = (self._flipped_sums + total) / 2.0
+        kept_mean = kept_sum[split] / kept[split]
+        flipped_mean = (total - kept_sum[split]) / flipped[split]
+        always = int(np.count_nonzero(~split))  # patterns that count for every mu
+        # p(mu) = count / size (exact) or (1 + count) / (1 + draws): the count p >= alpha needs.
+        size = sign_sums.size
+        needed = alpha * size if self.exact else alpha * (1 + size) - 1
+        k = math.ceil(needed - always - 1e-9)
+        if k < 1 or k > kept_mean.size:  # every mu accepted, or none but the mean's own
+            return -math.inf, math.inf
+        upper = np.maximum(kept_mean, flipped_mean)
+        lower = np.minimum(kept_mean, flipped_mean)
+        high = float(np.partition(upper, upper.size - k)[upper.size - k])
+        low = float(np.partition(lower, k - 1)[k - 1])
+        return low, high
 
     def tost(self, margin: float) -> float:
         """Equivalence p-value for ``|mean| < margin`` (two one-sided sign-flip tests).
