@@ -48,7 +48,7 @@ MAX_PANELS = 6
 #: The most contexts the step curves draw: each is a row of panels per logged key.
 MAX_STEP_CONTEXTS = 2
 #: Past this many points in one axes, its legend goes beside the axes instead of the best place inside.
-BEST_LEGEND_POINTS = 500
+BEST_LEGEND_POINTS = 300
 #: The colours a policy that declares none takes (ablate.policies.base.DERIVED_COLORS).
 OTHER_COLORS: tuple[str, ...] = DERIVED_COLORS
 
@@ -291,11 +291,12 @@ def plot_step_curves(
 
 
 def _legend(ax: Any, fontsize: str) -> None:
-    """The axes' legend where it hides the least data ("best"), or beside the axes when the axes
-    hold more than :data:`BEST_LEGEND_POINTS` points: matplotlib's search for the best place tries
-    every point at every candidate place, most of a figure's cost on a sweep of thousands of cells."""
+    """The axes' legend where it hides the least data ("best"), or beside the axes when they hold
+    more than :data:`BEST_LEGEND_POINTS` points (a text label counting as ten): matplotlib's
+    search for the best place tries every point and label at every candidate place."""
     points = sum(len(line.get_xydata()) for line in ax.lines) + sum(len(c.get_offsets()) for c in ax.collections)
-    if points <= BEST_LEGEND_POINTS:
+    # A label is a box the search measures at every candidate place: it weighs as ten points.
+    if points + 10 * len(ax.texts) <= BEST_LEGEND_POINTS:
         ax.legend(fontsize=fontsize, loc="best")
     else:
         ax.legend(fontsize=fontsize, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
