@@ -24,7 +24,7 @@ import contextlib
 import functools
 import hashlib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -317,6 +317,8 @@ def run_call(layout: Layout, config, chunks, batches: list[dict], *, forward_onl
     passes = []
 
     def forward_backward_batch(engine, data, loss_function, forward_only=False):
+        from worlds import gather_ranks
+
         capture = Capture()
         handles = [module.register_forward_hook(capture) for chunk in chunks for module in chunk.modules()
                    if type(module).__name__ == "TopKRouter"]
@@ -365,15 +367,6 @@ def run_call(layout: Layout, config, chunks, batches: list[dict], *, forward_onl
                                None, forward_only)
     metrics = {key: values[0] for key, values in output["metrics"].items()} or None
     return passes, output["pass"], metrics
-
-
-def gather_ranks(mine: dict) -> list[dict]:
-    """Every rank's dict (routes used, outputs per token), one per rank, on every rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [mine]
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    return gathered
 
 
 def run(rank: int, layout: Layout, port: int, policies: list[tuple[str, float, dict]], out_path: str) -> None:

@@ -216,6 +216,8 @@ def run_call(layout: Layout, engine, model, batches: list[dict], *, forward_only
     controller = engine._router_replay
 
     def forward_backward_batch(engine, data, loss_function, forward_only=False):
+        from worlds import gather_ranks
+
         capture = Capture(model)
         controller.begin_replay()
         try:
@@ -240,14 +242,6 @@ def run_call(layout: Layout, engine, model, batches: list[dict], *, forward_only
     output = engines.hooked_call(engines.active_hook(), forward_backward_batch, engine, data, None, forward_only)
     metrics = {key: values[0] for key, values in output["metrics"].items()} or None
     return passes, output["pass"], metrics
-
-
-def gather_ranks(mine: dict) -> list[dict]:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [mine]
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    return gathered
 
 
 def build_engine(layout: Layout):

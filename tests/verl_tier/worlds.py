@@ -48,3 +48,14 @@ def training_steps(run_call, mine: list[dict], steps: int = 2) -> list[dict]:
             step["metrics"] = metrics or step["metrics"]
         results.append(step)
     return results
+
+
+def gather_ranks(mine: dict) -> list[dict]:
+    """Every rank's dict (routes used, outputs per token), one per rank, on every rank."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [mine]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return gathered
