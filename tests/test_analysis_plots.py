@@ -92,10 +92,10 @@ def test_a_sweep_of_many_settings_draws_a_few_spread_from_the_first_to_the_last(
     steps = pd.DataFrame(rows)
     assert plots._spread(38, 6) == [0, 7, 15, 22, 30, 37]
     assert plots._spread(5, 6) == [0, 1, 2, 3, 4]
-    shown = plots._contexts(steps, ["backend.router_noise"], plots.MAX_STEP_CONTEXTS)
-    assert [title for title, _ in shown] == ["backend.router_noise=0.0", "backend.router_noise=0.37"]
-    assert "2 of 38 values of backend.router_noise" in plots._shown(steps, ["backend.router_noise"], shown)
-    assert plots._shown(steps, ["backend.router_noise"], plots._contexts(steps, ["backend.router_noise"], 40)) == ""
+    panels, note = plots._contexts(steps, ["backend.router_noise"], plots.MAX_STEP_CONTEXTS)
+    assert [title for title, _ in panels] == ["backend.router_noise=0.0", "backend.router_noise=0.37"]
+    assert "2 of 38 values of backend.router_noise" in note
+    assert plots._contexts(steps, ["backend.router_noise"], 40)[1] == ""
     paths = plots.plot_step_curves(steps, tmp_path / "steps", by=["backend.router_noise"])
     svg = next(p for p in paths if p.suffix == ".svg").read_text()
     assert "backend.router_noise=0.37" in svg and "backend.router_noise=0.18" not in svg

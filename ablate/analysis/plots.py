@@ -10,7 +10,7 @@ figures of different sweeps can be read side by side. A sweep with arm keys besi
 budget (``backend.router_noise``) gets one panel per value of those keys, up to
 :data:`MAX_PANELS` of them (:data:`MAX_STEP_CONTEXTS` for the step curves, which draw a row of
 panels per value): past that, a figure shows that many values spread evenly from the first to the
-last, and its title says how many it shows. A figure of 38 settings is neither readable nor cheap
+last, and its title says how many it shows (:func:`_contexts`). A figure of 38 settings is neither readable nor cheap
 (the step curves of a 10,000-cell sweep were a 33 MB PNG); the tables hold every arm.
 """
 
@@ -98,7 +98,7 @@ def plot_budget_response(summary: pd.DataFrame, path_stem: str | Path, *, outcom
     outcome = outcome or summary.attrs.get("outcome", "outcome")
     keys = list(summary.attrs.get("by", []))
     table = summary.reset_index()
-    panels = _contexts(table, keys)
+    panels, shown = _contexts(table, keys)
     fig, axes = _panels(len(panels))
     policies = list(table["policy"].unique())
     budgeted = [p for p in order_policies(policies) if p not in FIXED_BUDGET_POLICIES]
@@ -133,7 +133,7 @@ def plot_budget_response(summary: pd.DataFrame, path_stem: str | Path, *, outcom
     interval = summary.attrs.get("interval", "t")
     _title(fig, f"{outcome} vs budget" + (f" (mean over seeds; bars and band: {level:.0%} {interval} interval of "
                                           "the mean; hollow: too few seeds for one" if level else " (mean over seeds")
-           + _shown(table, keys, panels) + ")")
+           + shown + ")")
     return _save(fig, path_stem)
 
 
@@ -143,7 +143,7 @@ def plot_selection_effects(effects_table: pd.DataFrame, path_stem: str | Path, *
     outcome = outcome or effects_table.attrs.get("outcome", "outcome")
     keys = list(effects_table.attrs.get("by", []))
     rows = effects_table[effects_table["effect"].isin(["selection", "matched_selection"]) & ~effects_table["pooled"]]
-    panels = _contexts(rows, keys) if not rows.empty else [("", rows)]
+    panels, shown = _contexts(rows, keys)
     fig, axes = _panels(len(panels))
     policies = list(effects_table["policy"].unique())
     for ax, (title, part) in zip(axes, panels):
@@ -178,7 +178,7 @@ def plot_selection_effects(effects_table: pd.DataFrame, path_stem: str | Path, *
     interval = {"exact": "inverting the exact sign-flip test", "t": "Student's t"}.get(
         effects_table.attrs.get("method", "exact"), f"{effects_table.attrs.get('method')} bootstrap")
     _title(fig, f"selection effect (paired by seed; bars: {level:.0%} interval {interval}, unadjusted; hollow: "
-                f"against random at the same effective budget{_shown(rows, keys, panels)})")
+                f"against random at the same effective budget{shown})")
     return _save(fig, path_stem)
 
 
@@ -197,7 +197,7 @@ def plot_effective_budget(
     missing = [c for c in (effective, outcome) if c not in cells.columns]
     if missing:
         raise KeyError(f"plot_effective_budget needs column(s) {missing}")
-    panels = _contexts(cells, list(by))
+    panels, shown = _contexts(cells, list(by))
     fig, axes = _panels(len(panels))
     policies = list(cells["policy"].unique())
     for ax, (title, part) in zip(axes, panels):
@@ -226,7 +226,7 @@ def plot_effective_budget(
         ax.set_title(title, fontsize="small")
         _legend(ax, "x-small")
     _title(fig, f"{outcome} vs effective budget (arm means; bars: 1 standard error on each axis, no "
-                f"confidence interval; labels: budget{_shown(cells, list(by), panels)})")
+                f"confidence interval; labels: budget{shown})")
     return _save(fig, path_stem)
 
 
@@ -253,7 +253,7 @@ def plot_step_curves(
         fig.add_subplot().text(0.5, 0.5, f"none of {list(STEP_KEYS)} were logged", ha="center")
         return _save(fig, path_stem)
     t = import_extra("scipy.stats", "the step curves' intervals").t
-    contexts = _contexts(steps, list(by), MAX_STEP_CONTEXTS)
+    contexts, shown = _contexts(steps, list(by), MAX_STEP_CONTEXTS)
     budgeted = steps.loc[~steps["policy"].isin(FIXED_BUDGET_POLICIES), "budget"]
     budgets = sorted(budgeted.unique()) or [None]
     n_rows, n_cols = len(keys) * len(contexts), len(budgets)
@@ -286,7 +286,7 @@ def plot_step_curves(
                 ax.set_ylabel(key)
                 _legend(ax, "xx-small")
     _title(fig, f"mean over seeds; bold: moving average over {window} step(s), faint: raw; band: {level:.0%} "
-                f"t interval of the mean over seeds at each step (pointwise), smoothed alike{_shown(steps, by, contexts)}")
+                f"t interval of the mean over seeds at each step (pointwise), smoothed alike{shown}")
     return _save(fig, path_stem)
 
 
@@ -307,18 +307,23 @@ def _title(fig: Figure, text: str) -> None:
     fig.suptitle(textwrap.fill(text, max(40, int(fig.get_figwidth() * 13))), fontsize="medium")
 
 
-def _contexts(frame: pd.DataFrame, keys: list[str], limit: int = MAX_PANELS) -> list[tuple[str, pd.DataFrame]]:
+def _contexts(frame: pd.DataFrame, keys: list[str],
+              limit: int = MAX_PANELS) -> tuple[list[tuple[str, pd.DataFrame]], str]:
     """One ``(title, rows)`` per value of ``keys``, at most ``limit`` of them, spread evenly from the
-    first value to the last (:func:`_shown` says so in the figure's title)."""
-    if not keys:
-        return [("", frame)]
+    first value to the last, and the note the figure's title carries when that is not every value
+    ("" when it is). A frame without keys or rows is one untitled panel."""
+    if not keys or frame.empty:
+        return [("", frame)], ""
     groups = list(frame.groupby(keys, sort=True, dropna=False))
     panels = []
     for index in _spread(len(groups), limit):
         values, part = groups[index]
         values = values if isinstance(values, tuple) else (values,)
         panels.append((", ".join(f"{k}={v}" for k, v in zip(keys, values)), part))
-    return panels
+    if len(panels) == len(groups):
+        return panels, ""
+    return panels, (f"; {len(panels)} of {len(groups)} values of {', '.join(keys)}, spread from the first to the "
+                    "last (every arm is in the tables)")
 
 
 def _spread(total: int, limit: int) -> list[int]:
@@ -326,17 +331,6 @@ def _spread(total: int, limit: int) -> list[int]:
     if total <= limit:
         return list(range(total))
     return sorted({round(i * (total - 1) / (limit - 1)) for i in range(limit)}) if limit > 1 else [0]
-
-
-def _shown(frame: pd.DataFrame, keys: Sequence[str], panels: Sequence[Any]) -> str:
-    """The title's note when a figure shows fewer contexts than the sweep has ("" when it shows all)."""
-    if not keys or frame.empty:
-        return ""
-    total = len(frame.groupby(list(keys), dropna=False))
-    if len(panels) >= total:
-        return ""
-    return (f"; {len(panels)} of {total} values of {', '.join(keys)}, spread from the first to the last "
-            "(every arm is in the tables)")
 
 
 def _panels(n: int) -> tuple[Figure, list[Any]]:
@@ -383,7 +377,7 @@ def plot_collapse_survival(times: pd.DataFrame, path_stem: str | Path, *, by: Se
     """
     from ablate.analysis.survival import kaplan_meier
 
-    panels = _contexts(times, list(by)) if not times.empty else [("", times)]
+    panels, shown = _contexts(times, list(by))
     fig, axes = _panels(len(panels))
     policies = list(times["policy"].unique())
     for ax, (title, part) in zip(axes, panels):
@@ -397,5 +391,5 @@ def plot_collapse_survival(times: pd.DataFrame, path_stem: str | Path, *, by: Se
         ax.set_ylabel("share of seeds not collapsed")
         ax.set_title(title, fontsize="small")
         _legend(ax, "xx-small")
-    _title(fig, f"time to collapse (Kaplan-Meier over seeds; no interval drawn{_shown(times, list(by), panels)})")
+    _title(fig, f"time to collapse (Kaplan-Meier over seeds; no interval drawn{shown})")
     return _save(fig, path_stem)

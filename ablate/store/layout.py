@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
@@ -165,24 +165,23 @@ def read_records_table(cell_dir: Path) -> "pa.Table":
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    path = cell_dir / RECORDS_FILE
-    try:
-        data = path.read_bytes()  # one read; Arrow's own file opening costs more than these small files
-    except FileNotFoundError:
-        raise StoreError(f"{path}: missing, but the cell's status is 'complete'") from None
-    try:
-        return pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False)
-    except Exception as error:  # pyarrow raises several unrelated types for a damaged file
-        raise StoreError(f"{path}: corrupt records file ({error}); expected Parquet written by ablate") from None
+    # One read of the bytes: Arrow's own file opening costs more than these small files.
+    return _parquet(cell_dir / RECORDS_FILE,
+                    lambda path: pq.ParquetFile(pa.BufferReader(path.read_bytes())).read(use_threads=False))
 
 
 def check_parquet(path: Path) -> None:
     """Raise StoreError unless ``path`` is a Parquet file whose footer reads (cheap: no data read)."""
     import pyarrow.parquet as pq
 
+    _parquet(path, pq.read_metadata)
+
+
+def _parquet(path: Path, read: Callable[[Path], Any]) -> Any:
+    """``read(path)``, a missing or damaged records file raised as the :class:`StoreError` naming it."""
     try:
-        pq.read_metadata(path)
+        return read(path)
     except FileNotFoundError:
         raise StoreError(f"{path}: missing, but the cell's status is 'complete'") from None
-    except Exception as error:
+    except Exception as error:  # pyarrow raises several unrelated types for a damaged file
         raise StoreError(f"{path}: corrupt records file ({error}); expected Parquet written by ablate") from None
