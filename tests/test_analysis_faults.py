@@ -14,6 +14,7 @@ import yaml
 
 from ablate.analysis.load import load_runs
 from ablate.analysis.tables import effects
+from disks import tmpfs
 from tests.test_analysis_store import BUDGETS, write_cell
 
 
@@ -41,13 +42,8 @@ def toy(tmp_path_factory) -> Path:
 @pytest.fixture
 def small_disk(tmp_path) -> Path:
     """A 1 MiB tmpfs (unmounted after the test)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()})")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    with tmpfs(tmp_path / "disk", "1m") as mount:
+        yield mount
 
 
 def fill(disk: Path, leave: int) -> None:

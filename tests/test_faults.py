@@ -19,6 +19,7 @@ import pytest
 
 from ablate.store import CellState, inspect_cell, read_json, read_records
 from ablate.tracking import find_offline_runs, read_offline_run
+from disks import tmpfs
 
 
 def command(store: Path, *args: str) -> list[str]:
@@ -161,19 +162,9 @@ def test_two_arms_that_differ_in_a_backend_setting_get_two_wandb_names(tmp_path)
     assert names == ["random-b0.1-s0 backend.reward=0.1", "random-b0.1-s0 backend.reward=0.2"]
 
 
-def full_disk_store(tmp_path: Path) -> Path:
-    """A 96 KiB tmpfs: room for a cell's files and a few hundred steps, then ENOSPC."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()}); test_store injects ENOSPC instead")
-    return mount
-
-
 def test_a_full_disk_mid_cell_is_recorded_failed_and_rerun_once_there_is_room(tmp_path):
-    disk = full_disk_store(tmp_path)
-    try:
+    # 96 KiB: room for a cell's files and a few hundred steps, then ENOSPC.
+    with tmpfs(tmp_path / "disk", "96k", instead="test_store injects ENOSPC instead") as disk:
         store = disk / "runs"
         cell_args = ["backend=noop", "backend.steps=3000", "policy=none", "tracking.mode=disabled"]
         full = run(store, *cell_args)
@@ -191,8 +182,6 @@ def test_a_full_disk_mid_cell_is_recorded_failed_and_rerun_once_there_is_room(tm
         assert resumed.returncode == 0, resumed.stdout + resumed.stderr
         assert "1 failed (rerun)" in resumed.stdout
         assert read_json(cell / "status.json")["attempt"] == 2 and len(read_records(cell)) == 3000
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 # --- slow: whole sweeps ---------------------------------------------------------------------
@@ -201,11 +190,7 @@ def test_a_full_disk_mid_cell_is_recorded_failed_and_rerun_once_there_is_room(tm
 @pytest.mark.slow
 def test_a_disk_that_fills_mid_sweep_ends_with_the_tally_and_one_line_and_the_rerun_finishes(tmp_path):
     """Issue 28, defect 3: a 1 MiB tmpfs with 750 KB taken holds a few cells of this sweep, not eight."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with tmpfs(tmp_path / "disk", "1m") as mount:
         (mount / "filler").write_bytes(b"\0" * 750_000)
         store = mount / "runs"
         grid = ["-m", "backend=noop", "backend.steps=40", "policy=random", "budget=0.1,0.3,0.5,0.7", "seed=0,1",
@@ -226,8 +211,6 @@ def test_a_disk_that_fills_mid_sweep_ends_with_the_tally_and_one_line_and_the_re
         rerun = run(store, *grid)
         assert rerun.returncode == 0, rerun.stdout + rerun.stderr
         assert f"{8 - done} complete, 0 failed, {done} skipped" in rerun.stdout
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 GRID = ["-m", "backend=noop", "backend.steps=12", "backend.step_seconds=0.04", "policy=random,uniform",
         "budget=0.1,0.3,0.5", "seed=0", "sweep=faults", "tracking.mode=offline", "hydra.sweeper.progress_interval=0.2"]

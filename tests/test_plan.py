@@ -190,14 +190,19 @@ def test_progress_lines_give_elapsed_time_rate_and_eta():
 # --- the fast composer against Hydra's own composition ---------------------------------------
 
 
-@pytest.mark.parametrize("sweep", ["budget_selection", "fisher_estimator"])
-def test_the_job_composer_gives_what_hydra_composes(sweep):
+def sweep_jobs(sweep: str):
+    """Hydra's loader, the sweep file's master config and every job of its grid, as the sweeper expands them."""
     loader = ConfigLoaderImpl(config_search_path=create_config_search_path("pkg://ablate.conf"))
     master = loader.load_configuration("config", overrides=[f"sweeps={sweep}"], run_mode=RunMode.MULTIRUN)
     params = {str(k): str(v) for k, v in master.hydra.sweeper.params.items()}
     parser = OverridesParser.create(config_loader=loader)
     axes = {k: [str(v) for v in parser.parse_override(f"{k}={v}").sweep_string_iterator()] for k, v in params.items()}
-    jobs = [[f"sweeps={sweep}", *job, "store_dir=/store"] for job in grid(**axes)]
+    return loader, master, [[f"sweeps={sweep}", *job, "store_dir=/store"] for job in grid(**axes)]
+
+
+@pytest.mark.parametrize("sweep", ["budget_selection", "fisher_estimator"])
+def test_the_job_composer_gives_what_hydra_composes(sweep):
+    loader, master, jobs = sweep_jobs(sweep)
     jobs += [[f"sweeps={sweep}", "policy=none", "budget=null", "seed=0", "+extra=1"],
              [f"sweeps={sweep}", "policy=fisher", "budget=0.1", "~objective", "tracking.tags=[a,b]"]]
     fast = JobComposer(master, loader)
@@ -213,12 +218,7 @@ def test_a_cell_planned_from_its_template_is_the_cell_of_its_composed_config(swe
     """The sweeper plans most jobs without composing them (CellTemplate): the cells must be the same."""
     from ablate.compose import cell_from_config
 
-    loader = ConfigLoaderImpl(config_search_path=create_config_search_path("pkg://ablate.conf"))
-    master = loader.load_configuration("config", overrides=[f"sweeps={sweep}"], run_mode=RunMode.MULTIRUN)
-    params = {str(k): str(v) for k, v in master.hydra.sweeper.params.items()}
-    parser = OverridesParser.create(config_loader=loader)
-    axes = {k: [str(v) for v in parser.parse_override(f"{k}={v}").sweep_string_iterator()] for k, v in params.items()}
-    jobs = [[f"sweeps={sweep}", *job, "store_dir=/store"] for job in grid(**axes)]
+    loader, master, jobs = sweep_jobs(sweep)
     jobs = jobs[:: max(1, len(jobs) // 12)]
     jobs += [[f"sweeps={sweep}", "policy=fisher", "budget=0.1", "seed=3", "policy.tau=1.5", "tracking.mode=disabled",
               "backend.steps=7", "policy.fisher.normalize=global", "trial=4", "sweep=other", "store_dir='/s (é,)'"],
