@@ -13,13 +13,14 @@ import math
 import pandas as pd
 
 from ablate.analysis.export import to_markdown
+from ablate.analysis.frames import without_attrs
 
 EFFECT_NAMES = {"matched_selection": "matched"}
 
 
 def compact_summary(summary: pd.DataFrame) -> pd.DataFrame:
     """Per arm: the mean, its interval, the seeds and the effective budget."""
-    flat = summary.reset_index()
+    flat = without_attrs(summary.reset_index())
     keys = list(summary.attrs.get("by", []))
     return flat[[*keys, "policy", "budget", "mean", "ci_low", "ci_high", "n_seeds", "effective_budget"]]
 
@@ -27,8 +28,8 @@ def compact_summary(summary: pd.DataFrame) -> pd.DataFrame:
 def compact_effects(effects: pd.DataFrame) -> pd.DataFrame:
     """Per effect row: what is compared, the mean, the adjusted interval, ``p_adj``, the claim, the family."""
     keys = list(effects.attrs.get("by", []))
-    view = effects[[*keys, "effect", "policy", "baseline", "budget", "mean", "ci_adj_low", "ci_adj_high", "p_adj",
-                    "claim", "family"]].copy()
+    view = without_attrs(effects[[*keys, "effect", "policy", "baseline", "budget", "mean", "ci_adj_low",
+                                  "ci_adj_high", "p_adj", "claim", "family"]])
     view["effect"] = view["effect"].map(lambda kind: EFFECT_NAMES.get(kind, kind))
     view["budget"] = [("pooled" if pooled else ("" if math.isnan(b) else f"{b:g}"))
                       for pooled, b in zip(effects["pooled"], effects["budget"].astype(float))]
@@ -40,7 +41,7 @@ def compact_plan(plan: pd.DataFrame) -> pd.DataFrame:
     """Per effect row: the paired sd, the effect detectable now and the seeds the plan asks for."""
     keys = list(plan.attrs.get("by", []))
     seeds = "seeds_for_detect" if "seeds_for_detect" in plan.columns else "seeds_for_observed"
-    view = plan[[*keys, "effect", "policy", "baseline", "budget", "n_seeds", "sd_diff", "mde", seeds]].copy()
+    view = without_attrs(plan[[*keys, "effect", "policy", "baseline", "budget", "n_seeds", "sd_diff", "mde", seeds]])
     view["effect"] = view["effect"].map(lambda kind: EFFECT_NAMES.get(kind, kind))
     view["budget"] = [("pooled" if pooled else ("" if math.isnan(b) else f"{b:g}"))
                       for pooled, b in zip(plan["pooled"], plan["budget"].astype(float))]
@@ -60,7 +61,7 @@ def fit(view: pd.DataFrame, width: int = 100, *, optional: tuple[str, ...] = (),
     Columns named in ``optional`` are dropped, last first, until the table fits; text cells are
     then cut (ending in ``~``) if it still does not.
     """
-    view = view.copy()
+    view = without_attrs(view)
     for column in reversed(optional):
         if _width(view, digits) <= width:
             break

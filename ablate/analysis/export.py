@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import html
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
 import pandas as pd
 
-from ablate.budget import budget_label
+from ablate.analysis.frames import without_attrs
 from ablate.analysis.writing import naming
+from ablate.budget import budget_label
 from ablate.store import atomic_write, make_directory
 
 FORMATS: dict[str, str] = {"csv": ".csv", "parquet": ".parquet", "md": ".md", "latex": ".tex"}
@@ -57,32 +59,52 @@ def to_markdown(table: pd.DataFrame, digits: int = 4, *, escape_html: bool = Tru
     pages are built from these files, and a name such as ``<script>`` must stay text there. A
     terminal shows the table as it is (``escape_html=False``).
     """
-    flat = _flat(table)
+    cells = text_cells(table, digits)
     escape = (lambda text: html.escape(text, quote=False)) if escape_html else (lambda text: text)
-    header = [escape(str(c)) for c in flat.columns]
-    body = [[escape(_cell(v, digits, c)).replace("|", "\\|") for c, v in zip(flat.columns, row)]
-            for row in flat.itertuples(index=False)]
-    align = ["---:" if pd.api.types.is_numeric_dtype(flat[c]) else ":---" for c in flat.columns]
+    header = [escape(c) for c in cells.columns]
+    body = [[escape(text).replace("|", "\\|") for text in row] for row in cells.rows]
+    align = ["---:" if numeric else ":---" for numeric in cells.numeric]
     lines = [header, align, *body]
     return "\n".join("| " + " | ".join(line) + " |" for line in lines)
 
 
 def to_latex(table: pd.DataFrame, digits: int = 4) -> str:
     """A booktabs ``tabular`` (needs ``\\usepackage{booktabs}``), special characters escaped."""
-    flat = _flat(table)
-    spec = "".join("r" if pd.api.types.is_numeric_dtype(flat[c]) else "l" for c in flat.columns)
+    cells = text_cells(table, digits)
+    spec = "".join("r" if numeric else "l" for numeric in cells.numeric)
     lines = [f"\\begin{{tabular}}{{{spec}}}", "\\toprule"]
-    lines.append(" & ".join(_latex_escape(str(c)) for c in flat.columns) + " \\\\")
+    lines.append(" & ".join(_latex_escape(c) for c in cells.columns) + " \\\\")
     lines.append("\\midrule")
-    for row in flat.itertuples(index=False):
-        lines.append(" & ".join(_latex_escape(_cell(v, digits, c)) for c, v in zip(flat.columns, row)) + " \\\\")
+    for row in cells.rows:
+        lines.append(" & ".join(_latex_escape(text) for text in row) + " \\\\")
     lines += ["\\bottomrule", "\\end{tabular}"]
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class TextCells:
+    """A table as the text of its cells: what every written form of a table (Markdown, LaTeX, the
+    report's HTML) prints, so that the forms agree to the digit."""
+
+    columns: list[str]
+    numeric: list[bool]  # per column: right-aligned
+    rows: list[list[str]]
+
+
+def text_cells(table: pd.DataFrame, digits: int = 4) -> TextCells:
+    """``table``'s cells as text: its index as columns when named (else dropped), floats with
+    ``digits`` significant digits (budgets exactly), NaN and None as empty cells."""
+    flat = _flat(table)
+    columns = list(flat.columns)
+    numeric = [pd.api.types.is_numeric_dtype(dtype) for dtype in flat.dtypes]
+    rows = [[_cell(v, digits, c) for c, v in zip(columns, row)] for row in flat.itertuples(index=False)]
+    return TextCells([str(c) for c in columns], numeric, rows)
+
+
 def _flat(table: pd.DataFrame) -> pd.DataFrame:
+    """The table with its index as columns (a named one) or dropped, without attrs: it is read cell by cell."""
     has_named_index = any(name is not None for name in table.index.names)
-    return table.reset_index() if has_named_index else table.reset_index(drop=True)
+    return without_attrs(table.reset_index() if has_named_index else table.reset_index(drop=True))
 
 
 def _cell(value: object, digits: int, column: object = None) -> str:
@@ -91,7 +113,7 @@ def _cell(value: object, digits: int, column: object = None) -> str:
             return ""
         # Budgets are arms: two distinct budgets never print alike (1 and 0.9999999999999999).
         return budget_label(value) if column == "budget" else f"{value:.{digits}g}"
-    return "" if value is None else str(value)
+    return "" if value is None or value is pd.NA else str(value)
 
 
 _LATEX_SPECIALS = {

@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from ablate.analysis.extras import import_extra
+from ablate.analysis.frames import without_attrs
 
 import_extra("matplotlib", "Plots")
 
@@ -311,7 +312,9 @@ def _contexts(frame: pd.DataFrame, keys: list[str],
               limit: int = MAX_PANELS) -> tuple[list[tuple[str, pd.DataFrame]], str]:
     """One ``(title, rows)`` per value of ``keys``, at most ``limit`` of them, spread evenly from the
     first value to the last, and the note the figure's title carries when that is not every value
-    ("" when it is). A frame without keys or rows is one untitled panel."""
+    ("" when it is). A frame without keys or rows is one untitled panel. The panels' rows come
+    without the frame's attrs: a figure selects from them once per arm (:mod:`ablate.analysis.frames`)."""
+    frame = without_attrs(frame)
     if not keys or frame.empty:
         return [("", frame)], ""
     groups = list(frame.groupby(keys, sort=True, dropna=False))
@@ -366,7 +369,20 @@ def _save(fig: Figure, path_stem: str | Path) -> list[Path]:
         with naming(path):
             atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format=fmt))
         paths.append(path)
+        _freeze(fig)
     return paths
+
+
+def _freeze(fig: Figure) -> None:
+    """Keep the layout and the legends where the first drawing put them, so that the next format
+    draws the same figure without searching again: the constrained layout measures every text
+    (on a figure of six panels, a third of a drawing) and each "best" legend tries every point."""
+    fig.set_layout_engine("none")
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        if legend is not None and legend._loc == 0:  # 0 is "best" (matplotlib keeps no public name for it)
+            corner = legend.get_window_extent().transformed(ax.transAxes.inverted())
+            legend.set_loc((corner.x0, corner.y0))  # the lower left corner, in axes coordinates
 
 
 def plot_collapse_survival(times: pd.DataFrame, path_stem: str | Path, *, by: Sequence[str] = ()) -> list[Path]:

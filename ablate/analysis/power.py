@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from ablate.analysis.signflip import rejection_rate
+from ablate.analysis.signflip import row_pvalues
 from ablate.analysis.stats import min_achievable_pvalue
 
 #: Power a plan asks for.
@@ -51,9 +51,16 @@ def power(standardized_effect: float, n: int, alpha: float, *, samples: int = SA
     """
     if n < 1 or min_achievable_pvalue(n) >= alpha:
         return 0.0
-    draws = _null_draws(n, samples, seed) + abs(standardized_effect)
+    return int(np.count_nonzero(_pvalues(n, abs(standardized_effect), samples, seed) < alpha)) / samples
+
+
+@lru_cache(maxsize=4096)
+def _pvalues(n: int, effect: float, samples: int, seed: int) -> np.ndarray:
+    """The simulated rows' p-values at this effect, whatever the level: the searches of the
+    detectable effect at different levels try the same effects first, and share them here."""
+    draws = _null_draws(n, samples, seed) + effect
     rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(n, 1)))
-    return rejection_rate(draws, alpha, rng=rng)
+    return row_pvalues(draws, rng=rng)
 
 
 def min_detectable_effect(n: int, alpha: float, *, target: float = TARGET_POWER, samples: int = SAMPLES,

@@ -94,8 +94,9 @@ class Printer:
         line cites is the heading its row stands under."""
         view = compact_effects(effects)
         families = sorted(effects.attrs["families"].items(), key=lambda item: family_order(item[0]))
+        family_of_row = effects["family"].to_numpy()
         for i, (family, size) in enumerate(families):
-            rows = view[effects["family"] == family].drop(columns="family")
+            rows = view[family_of_row == family].drop(columns="family")
             self.line(("" if i == 0 else "\n") + f"{family} ({size} test{'s' if size != 1 else ''})")
             self.line(fit(rows, self.width))
 

@@ -194,26 +194,35 @@ def rejection_rate(samples: np.ndarray, alpha: float, *, rng: np.random.Generato
     """Share of the rows of ``samples`` (``(num_samples, n)``) whose two-sided sign-flip p < ``alpha``.
 
     The power of the exact test at that ``alpha`` when the rows are drawn under an alternative,
-    its size under the null. Vectorised over rows (one pattern matrix for all of them); above
-    ``exact_max_n`` seeds ``draws`` random patterns per call (plus the observed one).
+    its size under the null (:func:`row_pvalues`).
+    """
+    pvalues = row_pvalues(samples, rng=rng, exact_max_n=exact_max_n, draws=draws)
+    return int(np.count_nonzero(pvalues < alpha)) / pvalues.size if pvalues.size else math.nan
+
+
+def row_pvalues(samples: np.ndarray, *, rng: np.random.Generator, exact_max_n: int = EXACT_MAX_N,
+                draws: int = 999) -> np.ndarray:
+    """The two-sided sign-flip p-value of each row of ``samples`` (``(num_samples, n)``).
+
+    Vectorised over rows (one pattern matrix for all of them); above ``exact_max_n`` seeds
+    ``draws`` random patterns per call (plus the observed one). Empty when there are no rows or
+    no seeds.
     """
     samples = np.asarray(samples, dtype=float)
     count, n = samples.shape
     if n == 0 or count == 0:
-        return math.nan
+        return np.empty(0)
     tol = 1e-12 * np.maximum(1.0, np.abs(samples).max(axis=1)) * n
     if n <= exact_max_n:
-        hits = _exact_hits(samples, np.abs(samples.sum(axis=1)) - tol)
-        return int(np.count_nonzero(hits / 2.0**n < alpha)) / count
+        return _exact_hits(samples, np.abs(samples.sum(axis=1)) - tol) / 2.0**n
     signs = rng.choice(np.array([-1.0, 1.0]), size=(draws, n))
-    rejected = 0
+    hits = np.empty(count, dtype=np.int64)
     chunk = max(1, (1 << 22) // signs.shape[0])
     for first in range(0, count, chunk):
         block = samples[first:first + chunk]
-        observed = np.abs(block.sum(axis=1))
-        hits = (np.abs(block @ signs.T) >= (observed - tol[first:first + chunk])[:, None]).sum(axis=1) + 1
-        rejected += int(np.count_nonzero(hits / (draws + 1) < alpha))
-    return rejected / count
+        threshold = np.abs(block.sum(axis=1)) - tol[first:first + chunk]
+        hits[first:first + chunk] = (np.abs(block @ signs.T) >= threshold[:, None]).sum(axis=1) + 1
+    return hits / (draws + 1)
 
 
 def _exact_hits(samples: np.ndarray, threshold: np.ndarray) -> np.ndarray:

@@ -43,6 +43,7 @@ from typing import Any, Mapping, Sequence
 import pandas as pd
 
 from ablate.outcomes import HIGHER_IS_BETTER
+from ablate.analysis.frames import without_attrs
 from ablate.analysis.power import MAX_SEEDS
 from ablate.analysis.tables import order_policies
 from ablate.policies.roles import BUDGET_CONTROL, FULL_REPLAY, NO_REPLAY
@@ -224,9 +225,8 @@ class _Citer:
     """Picks the row that answers a question (module doc) and cites it as :class:`Evidence`."""
 
     def __init__(self, table: pd.DataFrame, plan: pd.DataFrame | None) -> None:
-        # Without their attrs: pandas deep-copies a frame's attrs into every row and selection it
-        # returns, and the citer selects hundreds of times on a sweep of thousands of cells.
-        self.table, self.plan = _bare(table), None if plan is None else _bare(plan)
+        # The citer selects hundreds of times on a sweep of thousands of cells (ablate.analysis.frames).
+        self.table, self.plan = without_attrs(table), None if plan is None else without_attrs(plan)
 
     def index(self, effect: str, policy: str, baseline: str) -> Any:
         """The label of the row that answers the question, None when the table has no tested row for it."""
@@ -264,13 +264,6 @@ class _Citer:
             p_adj=float(row["p_adj"]), family=_family(str(row["family"])), claim=str(row["claim"] or ""),
             n_seeds=int(row["n_seeds"]), planned=planned, seeds_needed=seeds, detect=detect,
         )
-
-
-def _bare(frame: pd.DataFrame) -> pd.DataFrame:
-    """``frame``'s values without its attrs (no copy of the values)."""
-    bare = frame.copy(deep=False)
-    bare.attrs = {}
-    return bare
 
 
 def _gate(family: str) -> int:

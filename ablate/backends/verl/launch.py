@@ -228,7 +228,7 @@ def check_strategy(strategy: str, launch: EngineLaunch, device: str) -> None:
         return
     if strategy == launch.strategy:  # Megatron on NPU is verl's MindSpeed engine
         raise VerlLaunchError(
-            f"trainer.device=npu with backend.engine=megatron: verl's MindSpeed engine is not one ablate's hook "
+            "trainer.device=npu with backend.engine=megatron: verl's MindSpeed engine is not one ablate's hook "
             "replays through (Megatron on CUDA and VeOmni only); run the cell on CUDA")
     other = next((name for name, known in ENGINES.items() if known.strategy == strategy), None)
     if other is not None:
