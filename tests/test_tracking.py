@@ -340,3 +340,48 @@ def test_every_attempt_of_a_cell_logs_to_its_one_run_id(tmp_path: Path) -> None:
         tracker.finish()
         assert tracker.warnings == []
         assert read_offline_run(tracker.run_path).run_id == "cellrun0001"
+
+
+def test_runs_record_the_repository_commit_with_git_asked_once_per_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """W&B asks git for the repository's root, remote and commit in four subprocesses per run
+    unless told them; the tracker reads them once per process and working directory."""
+    import subprocess
+
+    from ablate.tracking.offline_reader import read_records
+    from ablate.tracking.wandb_run import _git_state
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for command in (["init", "-q"], ["remote", "add", "origin", "https://example.org/lab/ablate.git"],
+                    ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "x"]):
+        subprocess.run(["git", *command], cwd=repo, check=True)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, check=True, capture_output=True,
+                            text=True).stdout.strip()
+    monkeypatch.chdir(repo)
+    monkeypatch.delenv("WANDB_DISABLE_GIT", raising=False)  # the tests' default: W&B records no git
+    _git_state.cache_clear()
+    gits: list[list[str]] = []
+    popen = subprocess.Popen.__init__
+
+    def counting(self, args, *rest, **kwargs):
+        if isinstance(args, (list, tuple)) and args and Path(str(args[0])).name == "git":
+            gits.append(list(args))
+        popen(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", counting)
+    trackers = [run_cell(tmp_path / f"cell-{i}", f"fisher-b0.25-s{i}", steps=1) for i in range(3)]
+
+    assert len(gits) <= 3, gits  # root, remote and commit, once for the three runs
+    for tracker in trackers:
+        assert tracker.warnings == []
+        (run,) = [r["run"] for r in read_records(tracker.run_path)[1] if "run" in r]
+        assert run["git"] == {"commit": commit, "remote_url": "https://example.org/lab/ablate.git"}
+
+    monkeypatch.setenv("WANDB_DISABLE_GIT", "true")  # the user's choice stands
+    gits.clear()
+    tracker = run_cell(tmp_path / "cell-off", "fisher-b0.25-s9", steps=1)
+    assert gits == [] and tracker.warnings == []
+    assert all("git" not in r["run"] for r in read_records(tracker.run_path)[1] if "run" in r)
+    _git_state.cache_clear()

@@ -38,6 +38,7 @@ Three wandb 0.31 behaviours shape this module:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -277,10 +278,39 @@ def _settings(
 ) -> wandb.Settings:
     """Quiet settings for one cell: a sweep's terminal shows the sweep, not W&B banners."""
     options: dict[str, Any] = dict(
-        init_timeout=init_timeout, finish_timeout=finish_timeout, silent=True, console="off"
+        init_timeout=init_timeout, finish_timeout=finish_timeout, silent=True, console="off",
+        **git_settings(os.getcwd()),
     )
     # A private setting: pass it only where this wandb has it, since Settings rejects
     # unknown fields and a rejected init would silently turn W&B off for every cell.
     if "x_save_requirements" in wandb.Settings.model_fields:
         options["x_save_requirements"] = save_requirements
     return wandb.Settings(**options)
+
+
+def git_settings(directory: str) -> dict[str, Any]:
+    """The git state W&B records in each run (repository root, remote URL, commit), read once per
+    process and working directory by W&B's own reader: given none, W&B asks git for it in four
+    subprocesses per run, a quarter of a cell's W&B start-up. A worker's cells run the code it
+    imported, so the commit it saw first is theirs. Outside a repository, W&B's lookups are off;
+    where the user turned them off or chose the root (``WANDB_DISABLE_GIT``, ``WANDB_GIT_ROOT``),
+    W&B is left to it."""
+    if wandb.env.disable_git() or os.environ.get(wandb.env.GIT_ROOT):
+        return {}
+    return _git_state(directory)
+
+
+@functools.lru_cache(maxsize=8)
+def _git_state(directory: str) -> dict[str, Any]:
+    from wandb.sdk.lib.gitlib import GitRepo
+
+    try:
+        repo = GitRepo(root=directory, lazy=False)
+        # "" for no remote: W&B records none either way, and looks for one again when given None.
+        found = {"git_root": repo.root_dir, "git_remote_url": repo.remote_url or "", "git_commit": repo.last_commit}
+    except Exception as error:  # git missing or broken: W&B would have found nothing either
+        logger.debug("git state for W&B: %s: %s", type(error).__name__, error)
+        found = {"git_root": None}
+    if found["git_root"] is None:
+        return {"disable_git": True}
+    return {key: value for key, value in found.items() if value is not None and key in wandb.Settings.model_fields}
