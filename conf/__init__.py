@@ -5,14 +5,17 @@ these configs (the app, Hydra's compose API in tests and notebooks) finds them: 
 and every backend's (built-in or installed by entry point, group ``ablate.backends``), whose
 declarations import no heavy library. An installed package that adds policies (group
 ``ablate.policies``) has them offered as ``policy=<name>`` options; only then are they (and
-torch) imported here.
+torch) imported here. Hydra's repositories share the config store rather than copy it
+(:func:`~hydra_plugins.ablate_grid_sweeper.hydra_private.share_config_store`).
 """
 
 import importlib.metadata
 
 from ablate.backends import register_backend_schemas
 from ablate.config import register_configs
+from hydra_plugins.ablate_grid_sweeper.hydra_private import share_config_store
 
+share_config_store()
 register_configs()
 register_backend_schemas()
 if importlib.metadata.entry_points(group="ablate.policies"):

@@ -20,6 +20,7 @@ from hydra_plugins.ablate_grid_sweeper.hydra_private import (
     ConfigLoaderImpl,
     apply_overrides,
     config_repository,
+    share_config_store,
 )
 from hydra_plugins.ablate_sweeps.sweeps_source import AblateSweepsConfigSource
 
@@ -35,6 +36,23 @@ def test_the_config_repository_knows_which_key_is_a_config_group():
     repository = config_repository(loader, "config")
     assert repository.group_exists("policy") and repository.group_exists("backend")
     assert not repository.group_exists("budget") and not repository.group_exists("policy.tau")
+
+
+def test_repositories_share_the_config_store_and_still_hand_out_copies_of_its_configs():
+    import copy
+
+    from hydra.core.config_store import ConfigStore
+
+    share_config_store()  # as importing ablate.conf does
+    store = ConfigStore.instance()
+    assert copy.deepcopy(store) is store
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path("pkg://ablate.conf"))
+    first, second = config_repository(loader, "config"), config_repository(loader, "config")
+    loaded = first.load_config("base_config")
+    assert loaded is not None and loaded.config.store_dir == "runs"
+    loaded.config.store_dir = "elsewhere"  # a composition that changes what it loaded ...
+    assert second.load_config("base_config").config.store_dir == "runs"  # ... leaves the store as it was
+    assert store.load("base_config.yaml").node.store_dir == "runs"
 
 
 def test_value_overrides_are_applied_in_place_as_hydra_applies_them():
