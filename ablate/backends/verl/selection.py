@@ -89,6 +89,8 @@ class MicroBatchSelection:
         mask: ``[tokens, MoE layers]`` replay mask, never True on an invalid token.
         unrecorded: number of MoE routes of the micro-batch that were not recorded.
         fisher_fallback: the fisher policy had no estimate and selected at random.
+        batch: the routes the policy selected from (None when no token was selectable), with
+            what it computed of them (the ``fisher`` policy's route scores) for the counters.
     """
 
     routes: Tensor
@@ -98,6 +100,7 @@ class MicroBatchSelection:
     mask: Tensor
     unrecorded: int
     fisher_fallback: bool
+    batch: Routes | None = None
 
 
 def select_micro_batch(
@@ -127,7 +130,7 @@ def select_micro_batch(
     keys = sequence_keys(routes[:, 0], offsets) if keys is None else keys
     selectable = valid if has_native is None else valid & has_native
     mask = torch.zeros(routes.shape[:2], dtype=torch.bool, device=routes.device)
-    fallback = False
+    fallback, batch = False, None
     if bool(selectable.any()):
         batch = Routes(rollout=routes, valid=selectable, num_experts=num_experts, native=native, offsets=offsets,
                        ids_checked=True, native_margin=native_margin)
@@ -135,5 +138,5 @@ def select_micro_batch(
         fallback = bool(policy.info.get("fisher_fallback", 0.0))
     return MicroBatchSelection(
         routes=routes, offsets=offsets, keys=keys, valid=valid, mask=mask, unrecorded=int((~recorded).sum()),
-        fisher_fallback=fallback,
+        fisher_fallback=fallback, batch=batch,
     )
