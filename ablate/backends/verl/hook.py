@@ -138,6 +138,37 @@ class _Call:
         return part.transpose(0, 1).contiguous()
 
 
+@dataclass(frozen=True)
+class _KeptNative:
+    """One micro-batch's native routes from a native pass, kept whole: sequences refer to their rows."""
+
+    #: ``[tokens, MoE layers, topk]`` native ids, -1 where no router reported one.
+    routes: Tensor
+    #: ``[tokens, MoE layers]`` native margins.
+    margins: Tensor
+    #: ``[tokens]`` every route of the token was reported.
+    known: Tensor
+
+    @classmethod
+    def of(cls, routes: Tensor, margins: Tensor) -> _KeptNative:
+        return cls(routes, margins, routes.reshape(routes.shape[0], -1).amin(1) >= 0)
+
+    @staticmethod
+    def whole(found: list[tuple[_KeptNative, int, int] | None], bounds: list[int]) -> _KeptNative | None:
+        """The one kept micro-batch whose rows are these sequences at these bounds, if there is one.
+
+        verl replays a step's micro-batches as the native pass made them (same sequences, same
+        order) unless dynamic batching regroups them: then the micro-batch is stitched together.
+        """
+        if not found or found[0] is None:
+            return None
+        kept = found[0][0]
+        for entry, start, end in zip(found, bounds[:-1], bounds[1:]):
+            if entry is None or entry[0] is not kept or entry[1] != start or entry[2] != end:
+                return None
+        return kept
+
+
 class ReplayMaskHook:
     """Chooses per-(token, layer) replay masks for verl's R3 and measures what replay changed."""
 
@@ -154,7 +185,8 @@ class ReplayMaskHook:
         self.policy = self.tracker = None
         self._no_replay = NoReplay()  # a native pass replays nothing
         self._call: _Call | None = None
-        self._native_routes: dict[bytes, tuple[Tensor, Tensor]] = {}
+        #: each sequence's native routes of the step's native pass: its micro-batch's, and its rows there.
+        self._native_routes: dict[bytes, tuple[_KeptNative, int, int]] = {}
         self._probe_policies: list[tuple[Probe, ReplayPolicy]] | None = None
         self.step = 0  # the hook's own count of training steps: the one probe_every reads
         self._reset_step()
@@ -356,23 +388,29 @@ class ReplayMaskHook:
     def _keep_native_routes(self, call: _Call, native: Tensor, margin: Tensor) -> None:
         """Keep each sequence's native routes (and margins) of the native pass for the step's replayed passes."""
         for index, selection in call.selections.items():
-            part, margins = call.token_major(native, index), call.token_major(margin, index)
+            kept = _KeptNative.of(call.token_major(native, index) - 1, call.token_major(margin, index))
             bounds = selection.offsets.tolist()
             for key, start, end in zip(selection.keys, bounds[:-1], bounds[1:]):
-                self._native_routes[key] = (part[start:end] - 1, margins[start:end])
+                self._native_routes[key] = (kept, start, end)
 
     def _stitch_native_routes(self, routes: Tensor, offsets: Tensor, keys: list[bytes]) -> tuple[Tensor, Tensor, Tensor]:
         """Native routes and margins of a micro-batch from the step's native pass, and which tokens have them."""
+        bounds = offsets.tolist()
+        found = [self._native_routes.get(key) for key in keys]
+        same = _KeptNative.whole(found, bounds)
+        if same is not None and same.routes.shape == routes.shape:  # the native pass's micro-batch again
+            return (same.routes.to(routes.device), same.known.to(routes.device), same.margins.to(routes.device))
         native = torch.zeros(routes.shape, dtype=torch.int16, device=routes.device)
         margin = torch.zeros(routes.shape[:2], device=routes.device)
         known = torch.zeros(routes.shape[0], dtype=torch.bool, device=routes.device)
-        bounds = offsets.tolist()
-        for key, start, end in zip(keys, bounds[:-1], bounds[1:]):
-            found = self._native_routes.get(key)
-            if found is not None and found[0].shape == native[start:end].shape:
-                native[start:end] = found[0].to(routes.device)
-                margin[start:end] = found[1].to(routes.device)
-                known[start:end] = (found[0] >= 0).all(-1).all(-1).to(routes.device)
+        for entry, start, end in zip(found, bounds[:-1], bounds[1:]):
+            if entry is None:
+                continue
+            kept, first, last = entry
+            if kept.routes[first:last].shape == native[start:end].shape:
+                native[start:end] = kept.routes[first:last].to(routes.device)
+                margin[start:end] = kept.margins[first:last].to(routes.device)
+                known[start:end] = kept.known[first:last].to(routes.device)
         return native, known, margin
 
     def _fold_fisher(self) -> int:
