@@ -42,11 +42,7 @@ def recorded_routes(routes: Tensor, num_experts: int) -> Tensor:
     """
     topk = routes.shape[-1]
     slots = routes.movedim(-1, 0).contiguous()
-    low, high = slots[0].clone(), slots[0].clone()
-    for slot in slots[1:]:
-        torch.minimum(low, slot, out=low)
-        torch.maximum(high, slot, out=high)
-    bad = (low < 0) | (high >= num_experts)
+    bad = _out_of_range(slots, num_experts)
     ids = slots.to(torch.uint8) if num_experts <= 256 else slots
     same = torch.empty_like(bad)
     for first in range(topk):
@@ -54,6 +50,21 @@ def recorded_routes(routes: Tensor, num_experts: int) -> Tensor:
             torch.eq(ids[first], ids[second], out=same)
             bad |= same
     return ~bad
+
+
+def _out_of_range(slots: Tensor, num_experts: int) -> Tensor:
+    """``[tokens, layers]`` bool: the route holds an id outside ``[0, num_experts)``, from slot-major ids."""
+    none = torch.zeros(slots.shape[1:], dtype=torch.bool, device=slots.device)
+    if slots.numel() == 0:
+        return none
+    low, high = torch.aminmax(slots)
+    if int(low) >= 0 and int(high) < num_experts:  # the usual case: one reduction settles every route
+        return none
+    low, high = slots[0].clone(), slots[0].clone()
+    for slot in slots[1:]:
+        torch.minimum(low, slot, out=low)
+        torch.maximum(high, slot, out=high)
+    return (low < 0) | (high >= num_experts)
 
 
 def sequence_keys(first_layer: Tensor, offsets: Tensor) -> list[bytes]:
@@ -126,7 +137,8 @@ def select_micro_batch(
     routes are not known).
     """
     recorded = recorded_routes(routes, num_experts)
-    valid = r3_mask.to(routes.device).bool() & recorded.all(1)
+    # A count per token, not .all(1): a reduction over a short last dimension runs element by element.
+    valid = r3_mask.to(routes.device).bool() & (recorded.sum(1) == recorded.shape[1])
     keys = sequence_keys(routes[:, 0], offsets) if keys is None else keys
     selectable = valid if has_native is None else valid & has_native
     mask = torch.zeros(routes.shape[:2], dtype=torch.bool, device=routes.device)
