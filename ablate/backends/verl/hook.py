@@ -334,7 +334,10 @@ class ReplayMaskHook:
             real = rows.to(device) >= 0
             block, native = rows.to(device)[real], native[real]
             margin = margin[real] if margin is not None else None
-        call.native[column, block] = native.to(torch.int16) + 1
+        if isinstance(block, slice):  # converted while copied, then shifted in place: no temporaries
+            call.native[column, block].copy_(native).add_(1)
+        else:
+            call.native[column, block] = native.to(torch.int16) + 1
         if margin is not None:
             call.native_margin[column, block] = margin
 
