@@ -26,6 +26,7 @@ masks. The hook:
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -314,6 +315,24 @@ class ReplayMaskHook:
             mask = torch.zeros(rollout.shape[:2], dtype=torch.bool, device=rollout.device)
             mask[:, call.info.moe_columns] = selection.mask
         return augment_routes(rollout, mask, selection.valid, call.starts[index])
+
+    def replay_mask(self, column: int, rows: slice) -> Tensor | None:
+        """``[rows]`` the mask :meth:`augmented_routes` packed for route column ``column`` of a block of
+        rows in the call's token order (None outside a call, or for rows of no single micro-batch).
+
+        The same bits as the packed column's, read from the ``[tokens, layers]`` mask itself: one
+        short strided read, where decoding them from verl's per-layer views of the augmented
+        routes reads a cache line per row.
+        """
+        call = self._call
+        index = bisect.bisect_right(call.starts, rows.start) - 1 if call is not None else -1
+        selection = call.selections.get(index) if index >= 0 else None
+        if selection is None or rows.stop > call.starts[index] + call.rows[index]:
+            return None
+        part = slice(rows.start - call.starts[index], rows.stop - call.starts[index])
+        if column not in call.info.moe_columns:  # dense layers' columns replay nothing
+            return torch.zeros(rows.stop - rows.start, dtype=torch.bool, device=selection.mask.device)
+        return selection.mask[part, call.info.moe_layer(column)]
 
     def observe(self, column: int, rows: Tensor | slice, native: Tensor, scores: Tensor | None = None) -> None:
         """A router's native top-k of its rows, and its scores.

@@ -199,9 +199,11 @@ class VeOmniSeam(EngineSeam):
         position = known[1]
         if position >= len(self._layers):
             return chosen  # verl raises for a router without a target; this micro-batch is not ablate's
-        layer = self._layers[position]
-        chosen = torch.where(layer.mask.to(chosen.device)[:, None], chosen, top_indices)
-        hook = self.hook
+        layer, hook = self._layers[position], self.hook
+        mask = hook.replay_mask(position, layer.rows) if isinstance(layer.rows, slice) else None
+        if mask is None:  # rows the engine padded or regrouped: the packed column's own bits
+            mask = layer.mask
+        chosen = torch.where(mask.to(chosen.device)[:, None], chosen, top_indices)
         if first_fire:  # a recompute under activation checkpointing routes the same rows again
             with torch.no_grad():
                 hook.observe(position, layer.rows, top_indices, routing_scores)
