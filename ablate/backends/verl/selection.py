@@ -35,8 +35,9 @@ def recorded_routes(routes: Tensor, num_experts: int) -> Tensor:
 
     This is the one check of the micro-batch's ids: :class:`Routes` built from the recorded
     routes skip their own (``ids_checked``). It works on a slot-major copy (``[topk, tokens,
-    layers]``), so every comparison is one long contiguous pass: a running minimum and maximum
-    over the slots for the range, then every pair of slots for duplicates, on uint8 copies of the
+    layers]``), so every comparison is one long contiguous pass: the range from one minimum and
+    maximum of the whole micro-batch (route by route only when some id is out of range), then
+    every pair of slots for duplicates, on uint8 copies of the
     ids when ``num_experts <= 256`` (four times fewer bytes than the int16 ids; wrapping an
     out-of-range id cannot hide a duplicate, and that route is rejected by the range anyway).
     """
