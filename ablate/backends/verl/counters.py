@@ -79,18 +79,18 @@ def micro_batch_counts(selection: MicroBatchSelection, native: Tensor, num_exper
                        fisher_scores: Tensor | None) -> dict[str, float]:
     """The shared route counts of one micro-batch, plus its unrecorded routes.
 
-    ``native`` is the micro-batch's assembled ``[tokens, MoE layers, topk]`` native id + 1 (0
+    ``native`` is the micro-batch's assembled ``[tokens, MoE layers, topk]`` native ids (-1
     where no router reported one). Valid routes without a native route leave the ``routing/``
     counts out rather than compare against a made-up route.
     """
     if not bool(selection.valid.any()):
         return {"unrecorded_routes": float(selection.unrecorded)}
     # A router writes a route's topk ids together: its first slot says whether it reported one.
-    observed = not bool(((native[..., 0] == 0) & selection.valid[:, None]).any())
+    observed = not bool(((native[..., 0] < 0) & selection.valid[:, None]).any())
     if not observed:
         log.warning("ablate verl hook: valid routes without a native route from the routers; routing/ keys skip them")
     # Native ids are the routers' own top-k: checked by the routers.
-    routes = _counted_routes(selection, num_experts).with_native(native - 1 if observed else None)
+    routes = _counted_routes(selection, num_experts).with_native(native if observed else None)
     counts = route_counts(routes, selection.mask, fisher_scores=fisher_scores)
     counts["unrecorded_routes"] += selection.unrecorded
     return counts

@@ -126,17 +126,19 @@ class _Call:
     def rows_of(self, index: int) -> slice:
         return slice(self.starts[index], self.starts[index] + self.rows[index])
 
-    def token_major(self, layer_major: Tensor, index: int) -> Tensor:
-        """Micro-batch ``index``'s MoE columns of a layer-major buffer, ``[rows, MoE layers, ...]``.
+    def token_major(self, layer_major: Tensor, index: int, *, minus: int = 0) -> Tensor:
+        """Micro-batch ``index``'s MoE columns of a layer-major buffer, ``[rows, MoE layers, ...]``, less ``minus``.
 
         Copied token-major: the counters compare it with the rollout's routes slot by slot, which
-        costs more on a transposed view than the one copy.
+        costs more on a transposed view than the one copy; ``minus`` is taken off in the same pass
+        (``minus=1`` turns the buffer's native id + 1 into the id, -1 where no router reported one).
         """
         columns = self.info.moe_columns
         part = layer_major[:, self.rows_of(index)]
         if len(columns) != layer_major.shape[0]:
             part = part[columns]
-        return part.transpose(0, 1).contiguous()
+        part = part.transpose(0, 1)
+        return torch.sub(part, minus, out=torch.empty(part.shape, dtype=part.dtype, device=part.device))
 
 
 @dataclass(frozen=True)
@@ -272,7 +274,7 @@ class ReplayMaskHook:
         native = self.seam.assemble(call.native)
         counts = dict.fromkeys(ROUTE_COUNTS, 0.0) if call.probe is not None else self.step_counts
         for index in call.counted:
-            self._count(counts, call.selections[index], call.token_major(native, index))
+            self._count(counts, call.selections[index], call.token_major(native, index, minus=1))
         if call.probe is not None:  # a probe pass: its counts, summed over the world, for add_probe
             return counters.sum_counts_over_world(counts)
         return self._close_step() if call.info.last_update else None
@@ -410,7 +412,7 @@ class ReplayMaskHook:
     def _keep_native_routes(self, call: _Call, native: Tensor, margin: Tensor) -> None:
         """Keep each sequence's native routes (and margins) of the native pass for the step's replayed passes."""
         for index, selection in call.selections.items():
-            kept = _KeptNative.of(call.token_major(native, index) - 1, call.token_major(margin, index))
+            kept = _KeptNative.of(call.token_major(native, index, minus=1), call.token_major(margin, index))
             bounds = selection.offsets.tolist()
             for key, start, end in zip(selection.keys, bounds[:-1], bounds[1:]):
                 self._native_routes[key] = (kept, start, end)
