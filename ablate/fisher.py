@@ -291,14 +291,21 @@ def _route_scores(estimate: Tensor, routes: Routes) -> Tensor:
     valid_count = routes.num_valid_tokens
     every_row = 2 * valid_count >= routes.num_tokens
     padded = every_row and valid_count < routes.num_tokens  # rows of padding are scored, then zeroed
-    score = torch.zeros(routes.num_tokens, routes.num_layers, device=routes.device)
     chunks = token_chunks(routes.num_tokens if every_row else routes.valid, routes.num_layers * routes.topk)
-    for rows in chunks:
-        ids = routes.rollout[rows].to(torch.int32, copy=True)  # written in place below
+
+    def scored(rows) -> Tensor:
+        ids = routes.rollout[rows]
         if padded:
-            ids.clamp_(0, routes.num_experts - 1)
-        bags = ids.add_(layer_base).reshape(-1, routes.topk)
-        score[rows] = F.embedding_bag(bags, table, mode="sum").reshape(-1, routes.num_layers)
+            ids = ids.clamp(0, routes.num_experts - 1)
+        bags = torch.add(ids, layer_base).reshape(-1, routes.topk)  # int32 (or the ids' wider type) as it adds
+        return F.embedding_bag(bags, table, mode="sum").reshape(-1, routes.num_layers)
+
+    if every_row and len(chunks) == 1:  # one chunk of every token (a verl micro-batch): its scores are the result
+        score = scored(chunks[0])
+    else:
+        score = torch.zeros(routes.num_tokens, routes.num_layers, device=routes.device)
+        for rows in chunks:
+            score[rows] = scored(rows)
     if padded:
         score.masked_fill_(~routes.valid[:, None], 0.0)
     return score

@@ -130,15 +130,15 @@ class _Call:
         """Micro-batch ``index``'s MoE columns of a layer-major buffer, ``[rows, MoE layers, ...]``, less ``minus``.
 
         Copied token-major: the counters compare it with the rollout's routes slot by slot, which
-        costs more on a transposed view than the one copy; ``minus`` is taken off in the same pass
+        costs more on a transposed view than the one copy; ``minus`` is taken off the copy in place
         (``minus=1`` turns the buffer's native id + 1 into the id, -1 where no router reported one).
         """
         columns = self.info.moe_columns
         part = layer_major[:, self.rows_of(index)]
         if len(columns) != layer_major.shape[0]:
             part = part[columns]
-        part = part.transpose(0, 1)
-        return torch.sub(part, minus, out=torch.empty(part.shape, dtype=part.dtype, device=part.device))
+        copy = part.transpose(0, 1).clone(memory_format=torch.contiguous_format)  # a copy even when contiguous
+        return copy.sub_(minus) if minus else copy
 
 
 @dataclass(frozen=True)
