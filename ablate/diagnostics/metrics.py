@@ -55,7 +55,7 @@ def route_counts(routes: Routes, mask: Tensor, *, fisher_scores: Tensor | None =
     if fisher_scores is not None:
         score = route_scores(fisher_scores, routes)  # 0 on invalid tokens; read-only (kept on routes)
         counts["fisher_total"] = float(score.sum(dtype=torch.float64))
-        counts["fisher_mass"] = float(score.masked_fill(~mask, 0).sum(dtype=torch.float64))
+        counts["fisher_mass"] = float(torch.where(mask, score, 0.0).sum(dtype=torch.float64))
     return counts
 
 
