@@ -362,10 +362,12 @@ def overlap_count(a: Tensor, b: Tensor) -> Tensor:
 def route_differences(a: Tensor, b: Tensor) -> RouteDifferences:
     """The routes where ``a`` and ``b`` differ slot for slot, and their overlap, a chunk of tokens at a time."""
     tokens, layers, topk = a.shape
+    # int32 indices where they fit: half the memory when most routes differ.
+    index_type = torch.int32 if tokens * layers <= torch.iinfo(torch.int32).max else torch.int64
     indices, overlaps = [], []
     for rows in token_chunks(tokens, layers * topk):
         index, overlap = _differences_chunk(a[rows], b[rows])
-        indices.append(index + rows.start * layers)
+        indices.append((index + rows.start * layers).to(index_type))
         overlaps.append(overlap)
     if len(indices) == 1:
         return RouteDifferences(indices[0], overlaps[0])
