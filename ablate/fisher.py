@@ -294,10 +294,10 @@ def _route_scores(estimate: Tensor, routes: Routes) -> Tensor:
     chunks = token_chunks(routes.num_tokens if every_row else routes.valid, routes.num_layers * routes.topk)
 
     def scored(rows) -> Tensor:
-        ids = routes.rollout[rows]
+        ids = routes.rollout[rows].to(torch.int32, copy=True)  # converted alone: a mixed-type add is slower
         if padded:
-            ids = ids.clamp(0, routes.num_experts - 1)
-        bags = torch.add(ids, layer_base).reshape(-1, routes.topk)  # int32 (or the ids' wider type) as it adds
+            ids.clamp_(0, routes.num_experts - 1)
+        bags = ids.add_(layer_base).reshape(-1, routes.topk)
         return F.embedding_bag(bags, table, mode="sum").reshape(-1, routes.num_layers)
 
     if every_row and len(chunks) == 1:  # one chunk of every token (a verl micro-batch): its scores are the result
