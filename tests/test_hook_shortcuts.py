@@ -1,6 +1,6 @@
 """The verl hook's shortcuts give what the long way gives: each is checked against it on one micro-batch.
 
-- a router's mask read from the hook's own ``[tokens, layers]`` mask equals the bits packed into
+- a router's mask and validity read from the hook's own selection equal the bits packed into
   its augmented routes (the VeOmni seam reads the one when its rows are a block, the other else);
 - the native routes of a native pass, taken whole for the same micro-batch, equal the ones
   stitched sequence by sequence for a regrouped micro-batch;
@@ -36,17 +36,19 @@ def test_a_routers_mask_from_the_hook_is_the_bits_packed_for_it():
     for bounds in lengths:
         rows = bounds[-1]
         routes = routes_of(rows, seed=rows)
-        augmented = hook.augmented_routes(0, routes, torch.ones(rows, dtype=torch.bool), torch.tensor(bounds),
-                                          counted=True)
+        r3_mask = torch.arange(rows) % 5 > 0  # tokens outside R3: not valid
+        augmented = hook.augmented_routes(0, routes, r3_mask, torch.tensor(bounds), counted=True)
         layers = split_layers(list(augmented.to(torch.int64).unbind(1)), TOPK)
         block = layers[0].rows
         assert isinstance(block, slice)
         for column, layer in enumerate(layers):
-            assert torch.equal(hook.replay_mask(column, block), layer.mask)
+            mask, valid = hook.replay_bits(column, block)
+            assert torch.equal(mask, layer.mask) and torch.equal(valid, layer.valid)
             part = slice(block.start + 2, block.stop - 1)  # a sequence-parallel rank's share of the rows
-            assert torch.equal(hook.replay_mask(column, part), layer.mask[2:-1])
-    assert hook.replay_mask(0, slice(15, 22)) is None  # rows of two micro-batches
-    assert int(torch.stack([hook.replay_mask(c, slice(0, 19)) for c in range(LAYERS)]).sum()) > 0
+            mask, valid = hook.replay_bits(column, part)
+            assert torch.equal(mask, layer.mask[2:-1]) and torch.equal(valid, layer.valid[2:-1])
+    assert hook.replay_bits(0, slice(15, 22)) is None  # rows of two micro-batches
+    assert int(torch.stack([hook.replay_bits(c, slice(0, 19))[0] for c in range(LAYERS)]).sum()) > 0
 
 
 def test_native_routes_taken_whole_equal_those_stitched_sequence_by_sequence():

@@ -318,13 +318,14 @@ class ReplayMaskHook:
             mask[:, call.info.moe_columns] = selection.mask
         return augment_routes(rollout, mask, selection.valid, call.starts[index])
 
-    def replay_mask(self, column: int, rows: slice) -> Tensor | None:
-        """``[rows]`` the mask :meth:`augmented_routes` packed for route column ``column`` of a block of
-        rows in the call's token order (None outside a call, or for rows of no single micro-batch).
+    def replay_bits(self, column: int, rows: slice) -> tuple[Tensor, Tensor] | None:
+        """``[rows]`` the mask and the validity :meth:`augmented_routes` packed for route column
+        ``column`` of a block of rows in the call's token order (None outside a call, or for rows
+        of no single micro-batch).
 
-        The same bits as the packed column's, read from the ``[tokens, layers]`` mask itself: one
-        short strided read, where decoding them from verl's per-layer views of the augmented
-        routes reads a cache line per row.
+        The same bits as the packed column's, read from the selection itself: a short strided read
+        of the ``[tokens, layers]`` mask and a view of the ``[tokens]`` validity, where decoding them
+        from verl's per-layer views of the augmented routes reads a cache line per row.
         """
         call = self._call
         index = bisect.bisect_right(call.starts, rows.start) - 1 if call is not None else -1
@@ -332,9 +333,10 @@ class ReplayMaskHook:
         if selection is None or rows.stop > call.starts[index] + call.rows[index]:
             return None
         part = slice(rows.start - call.starts[index], rows.stop - call.starts[index])
+        valid = selection.valid[part]
         if column not in call.info.moe_columns:  # dense layers' columns replay nothing
-            return torch.zeros(rows.stop - rows.start, dtype=torch.bool, device=selection.mask.device)
-        return selection.mask[part, call.info.moe_layer(column)]
+            return torch.zeros_like(valid), valid
+        return selection.mask[part, call.info.moe_layer(column)], valid
 
     def observe(self, column: int, rows: Tensor | slice, native: Tensor, scores: Tensor | None = None) -> None:
         """A router's native top-k of its rows, and its scores.

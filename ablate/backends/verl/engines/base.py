@@ -233,9 +233,10 @@ def split_layers(targets: list[Tensor], topk: int) -> list[LayerTargets]:
 
     For an engine that hands all layers' targets at once (VeOmni): the routes stay views of the
     engine's own tensor, and the layers share their rows, whose ids are decoded and checked for
-    one block once. Each layer's mask and validity are decoded from its own packed column when
-    its router reads them: one short pass each, where gathering every layer's column first costs
-    a strided read of the whole micro-batch.
+    one block once. Each layer's mask and validity are decoded from its own packed column only
+    if read: the VeOmni seam takes them from the hook's selection when the rows are one block
+    (:meth:`..hook.ReplayMaskHook.replay_bits`), so the packed columns, a cache line per row in
+    verl's per-layer views, are read only for rows the engine padded.
     """
     for target in targets[:1]:
         _check_columns(target, topk)
