@@ -74,13 +74,13 @@ def _mismatch_counts(routes: Routes, mask: Tensor, differences: RouteDifferences
     tokens = index.div(layers, rounding_mode="floor")
     mismatched_tokens = int((tokens[1:] != tokens[:-1]).sum()) + 1 if tokens.numel() else 0
     overridden = float(mask.reshape(-1)[index].sum())
-    missing = overlap.sum(dtype=torch.float64).neg_().add_(index.numel() * topk)  # experts the mismatches do not share
+    missing = index.numel() * topk - float(overlap.sum(dtype=torch.float64))  # experts the mismatches do not share
     return {
         "overridden_routes": overridden,
         "mismatched_routes": float(index.numel()),
         "mismatched_tokens": float(mismatched_tokens),
         "mismatched_replayed": overridden,
-        "shared_experts": routes.num_valid_routes * topk - float(missing),
+        "shared_experts": routes.num_valid_routes * topk - missing,
     }
 
 
