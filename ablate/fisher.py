@@ -255,29 +255,57 @@ def linear_param_sq_grads(inputs: Tensor, output_grads: Tensor, *, bias: bool = 
     return grad_sq * (inputs.float().square().sum(-1) + float(bias))
 
 
+#: Where :func:`route_scores` keeps its last scores on a :class:`Routes` (with the estimate they are of).
+_SCORES_KEY = "_route_scores"
+
+
 def route_scores(estimate: Tensor, routes: Routes) -> Tensor:
-    """``[tokens, layers]`` Fisher score of each rollout route: ``sum_{e in route} F[l, e]``."""
+    """``[tokens, layers]`` Fisher score of each rollout route: ``sum_{e in route} F[l, e]``. Read-only.
+
+    Kept on ``routes`` for the estimate they are of (compared by value), so that the ``fisher``
+    policy and the diagnostics of the same routes score them once (:meth:`Routes.with_native`
+    keeps them too): the scores are a full pass over the routes.
+    """
     expected = (routes.num_layers, routes.num_experts)
     if tuple(estimate.shape) != expected:
         raise FisherError(f"Fisher estimate has shape {tuple(estimate.shape)}: expected [layers, experts]={expected}")
+    kept = routes.__dict__.get(_SCORES_KEY)
+    if kept is not None and kept[0].device == estimate.device and torch.equal(kept[0], estimate):
+        return kept[1]
+    score = _route_scores(estimate, routes)
+    routes.__dict__[_SCORES_KEY] = (estimate.clone(), score)  # a cached_property's way onto a frozen dataclass
+    return score
+
+
+def _route_scores(estimate: Tensor, routes: Routes) -> Tensor:
     table = estimate.to(device=routes.device, dtype=torch.float32).reshape(-1, 1)
     # One bag of k (layer, expert) rows per route: embedding_bag sums the k scores in one fused
     # gather, over chunks of tokens, instead of k full-size int64 index tensors and gathers.
+    # Each slot's layer offset, spelled out for every slot ([layers, topk], not [layers, 1]): the add
+    # then broadcasts over tokens only, in runs of layers * topk ids rather than topk.
     layer_base = (torch.arange(routes.num_layers, device=routes.device, dtype=torch.int32) * routes.num_experts)[:, None]
+    layer_base = layer_base.expand(routes.num_layers, routes.topk).contiguous()
     # Invalid tokens score 0, and padding may hold any id. When most tokens are valid, scoring
     # every token over contiguous slices (padding ids clamped into range, their scores zeroed
     # after) is cheaper than gathering the valid rows out and scattering their scores back.
     valid_count = routes.num_valid_tokens
     every_row = 2 * valid_count >= routes.num_tokens
     padded = every_row and valid_count < routes.num_tokens  # rows of padding are scored, then zeroed
-    score = torch.zeros(routes.num_tokens, routes.num_layers, device=routes.device)
     chunks = token_chunks(routes.num_tokens if every_row else routes.valid, routes.num_layers * routes.topk)
-    for rows in chunks:
-        ids = routes.rollout[rows].to(torch.int32, copy=True)  # written in place below
+
+    def scored(rows) -> Tensor:
+        ids = routes.rollout[rows].to(torch.int32, copy=True)  # converted alone: a mixed-type add is slower
         if padded:
             ids.clamp_(0, routes.num_experts - 1)
         bags = ids.add_(layer_base).reshape(-1, routes.topk)
-        score[rows] = F.embedding_bag(bags, table, mode="sum").reshape(-1, routes.num_layers)
+        return F.embedding_bag(bags, table, mode="sum").reshape(-1, routes.num_layers)
+
+    if every_row and len(chunks) == 1:  # one chunk of every token (a verl micro-batch): its scores are the result
+        score = scored(chunks[0])
+    else:
+        score = torch.zeros(routes.num_tokens, routes.num_layers, device=routes.device)
+        for rows in chunks:
+            score[rows] = scored(rows)
     if padded:
         score.masked_fill_(~routes.valid[:, None], 0.0)
     return score

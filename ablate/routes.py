@@ -9,6 +9,7 @@ sequence, for per-sequence budgets and for the ``uniform`` policy's stratificati
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -20,6 +21,11 @@ _INTEGER_DTYPES = (torch.int16, torch.int32, torch.int64, torch.uint8, torch.int
 
 class RoutesError(ValueError):
     """A routing batch that does not satisfy the Routes contract."""
+
+
+#: What :class:`Routes` caches of its rollout and valid tokens alone (``ablate.fisher.route_scores``
+#: keeps its scores under ``_route_scores``): :meth:`Routes.with_native` carries them over.
+_NATIVE_FREE_CACHES = ("valid_offsets", "_route_scores")
 
 
 @dataclass(frozen=True, eq=False)
@@ -145,13 +151,28 @@ class Routes:
         return before[self.offsets]
 
     @cached_property
-    def native_overlap(self) -> Tensor | None:
-        """``[tokens, layers]`` experts shared by rollout and native routes (None without native).
+    def native_differences(self) -> RouteDifferences | None:
+        """The routes whose native route differs from the rollout's, with their overlap (None without native).
 
         Computed once per batch: the ``mismatch`` policy and the diagnostics both need it, and it
         is the most expensive pass over the routes. Routes are immutable, so the cache is safe.
         """
-        return None if self.native is None else overlap_count(self.rollout, self.native)
+        return None if self.native is None else route_differences(self.rollout, self.native)
+
+    @cached_property
+    def native_overlap(self) -> Tensor | None:
+        """``[tokens, layers]`` experts shared by rollout and native routes (None without native)."""
+        differences = self.native_differences
+        return None if differences is None else differences.dense(self.num_tokens, self.num_layers, self.topk)
+
+    def with_native(self, native: Tensor | None) -> Routes:
+        """These routes with ``native`` routes in place of their own (their ids checked by the caller;
+        None: none), keeping what was computed of the rollout alone (the valid offsets, the Fisher
+        route scores)."""
+        routes = dataclasses.replace(self, native=native, native_margin=None, ids_checked=True)
+        kept = {key: value for key, value in self.__dict__.items() if key in _NATIVE_FREE_CACHES}
+        routes.__dict__.update(kept)
+        return routes
 
     def valid_routes(self) -> Tensor:
         """``[tokens, layers]`` bool: True on every route of a valid token."""
@@ -309,6 +330,25 @@ def token_chunks(valid: Tensor | int, ids_per_token: int) -> list[slice] | list[
     return list(rows.split(step))
 
 
+@dataclass(frozen=True)
+class RouteDifferences:
+    """The routes of two route tensors ``[tokens, layers, topk]`` that are not the same ids slot for slot.
+
+    Sparse because most routes agree: ``index`` holds the flat route indices ``token * layers +
+    layer`` of the others, ascending, and ``overlap`` their overlap (:func:`overlap_count`); every
+    route not listed shares all ``topk`` experts. Counting mismatches reads only these.
+    """
+
+    index: Tensor
+    overlap: Tensor
+
+    def dense(self, tokens: int, layers: int, topk: int) -> Tensor:
+        """``[tokens, layers]`` int32 overlap of every route."""
+        shared = torch.full((tokens * layers,), topk, dtype=torch.int32, device=self.index.device)
+        shared[self.index] = self.overlap
+        return shared.reshape(tokens, layers)
+
+
 def overlap_count(a: Tensor, b: Tensor) -> Tensor:
     """``[tokens, layers]`` number of experts two route tensors ``[tokens, layers, topk]`` share.
 
@@ -316,26 +356,35 @@ def overlap_count(a: Tensor, b: Tensor) -> Tensor:
     Computed a chunk of tokens at a time, so memory stays a fraction of the routes themselves.
     """
     tokens, layers, topk = a.shape
-    shared = torch.empty(tokens, layers, dtype=torch.int32, device=a.device)
+    return route_differences(a, b).dense(tokens, layers, topk)
+
+
+def route_differences(a: Tensor, b: Tensor) -> RouteDifferences:
+    """The routes where ``a`` and ``b`` differ slot for slot, and their overlap, a chunk of tokens at a time."""
+    tokens, layers, topk = a.shape
+    # int32 indices where they fit: half the memory when most routes differ.
+    index_type = torch.int32 if tokens * layers <= torch.iinfo(torch.int32).max else torch.int64
+    indices, overlaps = [], []
     for rows in token_chunks(tokens, layers * topk):
-        shared[rows] = _overlap_chunk(a[rows], b[rows])
-    return shared
+        index, overlap = _differences_chunk(a[rows], b[rows])
+        indices.append((index + rows.start * layers).to(index_type))
+        overlaps.append(overlap)
+    if len(indices) == 1:
+        return RouteDifferences(indices[0], overlaps[0])
+    return RouteDifferences(torch.cat(indices), torch.cat(overlaps))
 
 
-def _overlap_chunk(a: Tensor, b: Tensor) -> Tensor:
+def _differences_chunk(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     # Most routes agree, and two routers that rank experts by score list a shared route in the
     # same order: one cheap positional comparison settles those (overlap = topk), and only the
     # rest pay the all-pairs slot comparison. Exact either way: a route that agrees as a set but
     # not in order just takes the slow path.
     topk = a.shape[-1]
-    same = _equal_in_order(a, b)
-    differ = (~same).nonzero(as_tuple=True)
-    if differ[0].numel() * 2 > same.numel():  # mostly different: gathering would cost more than it saves
-        return _slot_overlap(a, b)
-    shared = torch.full(same.shape, topk, dtype=torch.int32, device=a.device)
-    if differ[0].numel():
-        shared[differ] = _slot_overlap(a[differ], b[differ])
-    return shared
+    differ = (~_equal_in_order(a, b)).reshape(-1).nonzero().squeeze(1)
+    if differ.numel() * 2 > a.shape[0] * a.shape[1]:  # mostly different: gathering would cost more than it saves
+        return differ, _slot_overlap(a, b).reshape(-1)[differ]
+    # One row per route: index_select of whole routes, instead of indexing by (token, layer) pairs.
+    return differ, _slot_overlap(a.reshape(-1, topk).index_select(0, differ), b.reshape(-1, topk).index_select(0, differ))
 
 
 def _equal_in_order(a: Tensor, b: Tensor) -> Tensor:

@@ -167,8 +167,7 @@ def full_step_part(title: str, routes: Routes, per_sequence: bool, args: argpars
         budget = args.budget if fixed is None else fixed
 
         def step() -> None:
-            # Each step is a new batch: drop the per-batch cache so the overlap is paid every time.
-            routes.__dict__.pop("native_overlap", None)
+            forget_batch(routes)  # each step is a new batch: its overlap and Fisher scores are paid every time
             generator = generators(routes.num_sequences) if per_sequence else torch.Generator().manual_seed(0)
             mask = policy.select(routes, budget, generator=generator, per_sequence=per_sequence)
             route_diagnostics(routes, mask, budget, logp_train=logp_train, logp_rollout=logp_rollout,
@@ -180,6 +179,12 @@ def full_step_part(title: str, routes: Routes, per_sequence: bool, args: argpars
         elapsed = best_of(args.repeats, step, args.device)
         print(f"{label:<18}{elapsed * 1e3:>16.1f}{elapsed / baseline:>8.1f}"
               f"{memory.extra / 2**20:>16.0f}{memory.extra / routes_bytes:>10.2f}")
+
+
+def forget_batch(routes: Routes) -> None:
+    """Drop what ``routes`` cached of its native routes and Fisher scores, as if it were a new batch."""
+    for key in ("native_differences", "native_overlap", "_route_scores"):
+        routes.__dict__.pop(key, None)
 
 
 def micro_batch_part(args: argparse.Namespace) -> None:
@@ -202,7 +207,7 @@ def micro_batch_part(args: argparse.Namespace) -> None:
             budget = args.budget if fixed is None else fixed
 
             def select():
-                routes.__dict__.pop("native_overlap", None)
+                forget_batch(routes)
                 return policy.select(routes, budget, generator=generators(len(sizes)), per_sequence=True)
 
             select()  # warm-up

@@ -185,7 +185,7 @@ def hook_results() -> dict[str, tuple[str, str]]:
         selection = select_micro_batch(policy, budget_for(label), 9, rollout, r3_mask, offsets, experts, **extra)
         parts = [selection.mask, selection.valid, selection.unrecorded, selection.fisher_fallback, selection.keys]
         for buffer_name, buffer in (("observed", observed), ("partly-observed", partly_observed)):
-            counts = micro_batch_counts(selection, buffer, experts, estimate)
+            counts = micro_batch_counts(selection, buffer - 1, experts, estimate)  # native ids, -1: none reported
             results[f"hook/{label}/{buffer_name}"] = (
                 digest(*parts, counts), f"{selection.unrecorded} unrecorded; {summary(selection.mask, counts)}")
     return results

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ablate.fisher import route_scores
-from ablate.routes import Routes, token_chunks
+from ablate.routes import RouteDifferences, Routes, token_chunks
 
 NAN = float("nan")
 
@@ -47,28 +47,41 @@ def route_counts(routes: Routes, mask: Tensor, *, fisher_scores: Tensor | None =
     counts = dict.fromkeys(ROUTE_COUNTS, 0.0)
     counts["valid_routes"] = float(routes.num_valid_routes)
     counts["replayed_routes"] = float(mask.sum())
-    overlap = routes.native_overlap
-    if overlap is not None:
-        mismatched = overlap < routes.topk
-        if not every_token:
-            mismatched &= routes.valid[:, None]
-        overridden = float((mismatched & mask).sum())
-        shared = overlap if every_token else overlap * routes.valid[:, None]
-        counts.update(
-            compared_routes=counts["valid_routes"],
-            compared_tokens=float(routes.num_valid_tokens),
-            compared_replayed=counts["replayed_routes"],
-            overridden_routes=overridden,
-            mismatched_routes=float(mismatched.sum()),
-            mismatched_tokens=float(mismatched.any(1).sum()),
-            mismatched_replayed=overridden,
-            shared_experts=float(shared.sum(dtype=torch.float64)),
-        )
+    differences = routes.native_differences
+    if differences is not None:
+        counts.update(compared_routes=counts["valid_routes"], compared_tokens=float(routes.num_valid_tokens),
+                      compared_replayed=counts["replayed_routes"])
+        counts.update(_mismatch_counts(routes, mask, differences, every_token))
     if fisher_scores is not None:
-        score = route_scores(fisher_scores, routes)  # 0 on invalid tokens
+        score = route_scores(fisher_scores, routes)  # 0 on invalid tokens; read-only (kept on routes)
         counts["fisher_total"] = float(score.sum(dtype=torch.float64))
-        counts["fisher_mass"] = float(score.masked_fill_(~mask, 0).sum(dtype=torch.float64))
+        counts["fisher_mass"] = float(torch.where(mask, score, 0.0).sum(dtype=torch.float64))
     return counts
+
+
+def _mismatch_counts(routes: Routes, mask: Tensor, differences: RouteDifferences, every_token: bool) -> dict[str, float]:
+    """The mismatch counts of the valid routes, read from the few routes that differ from their native route.
+
+    Every route not in ``differences`` shares all ``topk`` experts: it is neither mismatched nor
+    overridden, and adds ``topk`` shared experts.
+    """
+    topk, layers = routes.topk, routes.num_layers
+    mismatched = differences.overlap < topk
+    if not every_token:
+        mismatched &= routes.valid[differences.index.div(layers, rounding_mode="floor")]
+    index, overlap = differences.index[mismatched], differences.overlap[mismatched]
+    # ``index`` ascends, so the mismatched routes of one token are neighbours: count the token changes.
+    tokens = index.div(layers, rounding_mode="floor")
+    mismatched_tokens = int((tokens[1:] != tokens[:-1]).sum()) + 1 if tokens.numel() else 0
+    overridden = float(mask.reshape(-1)[index].sum())
+    missing = index.numel() * topk - float(overlap.sum(dtype=torch.float64))  # experts the mismatches do not share
+    return {
+        "overridden_routes": overridden,
+        "mismatched_routes": float(index.numel()),
+        "mismatched_tokens": float(mismatched_tokens),
+        "mismatched_replayed": overridden,
+        "shared_experts": routes.num_valid_routes * topk - missing,
+    }
 
 
 def metrics_from_counts(

@@ -124,10 +124,11 @@ def packed_keys(keys: Tensor | None, tie_breaks: Tensor) -> Tensor:
     """
     if keys is None:
         return tie_breaks.long()
-    keys = torch.nan_to_num(keys.float(), nan=-torch.inf) + 0.0  # + 0.0 turns -0.0 into 0.0
+    # In place on each fresh temporary: a new full-size tensor per step costs more than its arithmetic.
+    keys = torch.nan_to_num(keys.float(), nan=-torch.inf).add_(0.0)  # + 0.0 turns -0.0 into 0.0
     bits = keys.view(torch.int32)
-    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long() + 2**31
-    return (ordered << 31) | tie_breaks
+    ordered = (bits >> 31).bitwise_and_(0x7FFFFFFF).bitwise_xor_(bits)
+    return ordered.long().add_(2**31).bitwise_left_shift_(31).bitwise_or_(tie_breaks)
 
 
 def segmented_top_n(keys: Tensor | None, quotas: Quotas, draws: Draws) -> Tensor:

@@ -79,19 +79,27 @@ def micro_batch_counts(selection: MicroBatchSelection, native: Tensor, num_exper
                        fisher_scores: Tensor | None) -> dict[str, float]:
     """The shared route counts of one micro-batch, plus its unrecorded routes.
 
-    ``native`` is the micro-batch's assembled ``[tokens, MoE layers, topk]`` native id + 1 (0
+    ``native`` is the micro-batch's assembled ``[tokens, MoE layers, topk]`` native ids (-1
     where no router reported one). Valid routes without a native route leave the ``routing/``
     counts out rather than compare against a made-up route.
     """
     if not bool(selection.valid.any()):
         return {"unrecorded_routes": float(selection.unrecorded)}
     # A router writes a route's topk ids together: its first slot says whether it reported one.
-    observed = bool(((native[..., 0] > 0).all(-1) | ~selection.valid).all())
+    observed = not bool(((native[..., 0] < 0) & selection.valid[:, None]).any())
     if not observed:
         log.warning("ablate verl hook: valid routes without a native route from the routers; routing/ keys skip them")
-    # The rollout ids were checked by the selection (recorded_routes); native ids are the routers' top-k.
-    routes = Routes(rollout=selection.routes, valid=selection.valid, num_experts=num_experts,
-                    native=native - 1 if observed else None, ids_checked=True)
+    # Native ids are the routers' own top-k: checked by the routers.
+    routes = _counted_routes(selection, num_experts).with_native(native if observed else None)
     counts = route_counts(routes, selection.mask, fisher_scores=fisher_scores)
     counts["unrecorded_routes"] += selection.unrecorded
     return counts
+
+
+def _counted_routes(selection: MicroBatchSelection, num_experts: int) -> Routes:
+    """The micro-batch's valid routes: those the policy selected from when they are the same tokens
+    (with the Fisher route scores the ``fisher`` policy computed of them), else new ones."""
+    if selection.batch is not None and selection.batch.valid is selection.valid:
+        return selection.batch
+    # The rollout ids were checked by the selection (recorded_routes).
+    return Routes(rollout=selection.routes, valid=selection.valid, num_experts=num_experts, ids_checked=True)

@@ -26,6 +26,7 @@ masks. The hook:
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -125,17 +126,50 @@ class _Call:
     def rows_of(self, index: int) -> slice:
         return slice(self.starts[index], self.starts[index] + self.rows[index])
 
-    def token_major(self, layer_major: Tensor, index: int) -> Tensor:
-        """Micro-batch ``index``'s MoE columns of a layer-major buffer, ``[rows, MoE layers, ...]``.
+    def token_major(self, layer_major: Tensor, index: int, *, minus: int = 0) -> Tensor:
+        """Micro-batch ``index``'s MoE columns of a layer-major buffer, ``[rows, MoE layers, ...]``, less ``minus``.
 
         Copied token-major: the counters compare it with the rollout's routes slot by slot, which
-        costs more on a transposed view than the one copy.
+        costs more on a transposed view than the one copy; ``minus`` is taken off the copy in place
+        (``minus=1`` turns the buffer's native id + 1 into the id, -1 where no router reported one).
         """
         columns = self.info.moe_columns
         part = layer_major[:, self.rows_of(index)]
         if len(columns) != layer_major.shape[0]:
             part = part[columns]
-        return part.transpose(0, 1).contiguous()
+        copy = part.transpose(0, 1).clone(memory_format=torch.contiguous_format)  # a copy even when contiguous
+        return copy.sub_(minus) if minus else copy
+
+
+@dataclass(frozen=True)
+class _KeptNative:
+    """One micro-batch's native routes from a native pass, kept whole: sequences refer to their rows."""
+
+    #: ``[tokens, MoE layers, topk]`` native ids, -1 where no router reported one.
+    routes: Tensor
+    #: ``[tokens, MoE layers]`` native margins.
+    margins: Tensor
+    #: ``[tokens]`` every route of the token was reported.
+    known: Tensor
+
+    @classmethod
+    def of(cls, routes: Tensor, margins: Tensor) -> _KeptNative:
+        return cls(routes, margins, routes.reshape(routes.shape[0], -1).amin(1) >= 0)
+
+    @staticmethod
+    def whole(found: list[tuple[_KeptNative, int, int] | None], bounds: list[int]) -> _KeptNative | None:
+        """The one kept micro-batch whose rows are these sequences at these bounds, if there is one.
+
+        verl replays a step's micro-batches as the native pass made them (same sequences, same
+        order) unless dynamic batching regroups them: then the micro-batch is stitched together.
+        """
+        if not found or found[0] is None:
+            return None
+        kept = found[0][0]
+        for entry, start, end in zip(found, bounds[:-1], bounds[1:]):
+            if entry is None or entry[0] is not kept or entry[1] != start or entry[2] != end:
+                return None
+        return kept
 
 
 class ReplayMaskHook:
@@ -154,7 +188,8 @@ class ReplayMaskHook:
         self.policy = self.tracker = None
         self._no_replay = NoReplay()  # a native pass replays nothing
         self._call: _Call | None = None
-        self._native_routes: dict[bytes, tuple[Tensor, Tensor]] = {}
+        #: each sequence's native routes of the step's native pass: its micro-batch's, and its rows there.
+        self._native_routes: dict[bytes, tuple[_KeptNative, int, int]] = {}
         self._probe_policies: list[tuple[Probe, ReplayPolicy]] | None = None
         self.step = 0  # the hook's own count of training steps: the one probe_every reads
         self._reset_step()
@@ -239,7 +274,7 @@ class ReplayMaskHook:
         native = self.seam.assemble(call.native)
         counts = dict.fromkeys(ROUTE_COUNTS, 0.0) if call.probe is not None else self.step_counts
         for index in call.counted:
-            self._count(counts, call.selections[index], call.token_major(native, index))
+            self._count(counts, call.selections[index], call.token_major(native, index, minus=1))
         if call.probe is not None:  # a probe pass: its counts, summed over the world, for add_probe
             return counters.sum_counts_over_world(counts)
         return self._close_step() if call.info.last_update else None
@@ -283,6 +318,26 @@ class ReplayMaskHook:
             mask[:, call.info.moe_columns] = selection.mask
         return augment_routes(rollout, mask, selection.valid, call.starts[index])
 
+    def replay_bits(self, column: int, rows: slice) -> tuple[Tensor, Tensor] | None:
+        """``[rows]`` the mask and the validity :meth:`augmented_routes` packed for route column
+        ``column`` of a block of rows in the call's token order (None outside a call, or for rows
+        of no single micro-batch).
+
+        The same bits as the packed column's, read from the selection itself: a short strided read
+        of the ``[tokens, layers]`` mask and a view of the ``[tokens]`` validity, where decoding them
+        from verl's per-layer views of the augmented routes reads a cache line per row.
+        """
+        call = self._call
+        index = bisect.bisect_right(call.starts, rows.start) - 1 if call is not None else -1
+        selection = call.selections.get(index) if index >= 0 else None
+        if selection is None or rows.stop > call.starts[index] + call.rows[index]:
+            return None
+        part = slice(rows.start - call.starts[index], rows.stop - call.starts[index])
+        valid = selection.valid[part]
+        if column not in call.info.moe_columns:  # dense layers' columns replay nothing
+            return torch.zeros_like(valid), valid
+        return selection.mask[part, call.info.moe_layer(column)], valid
+
     def observe(self, column: int, rows: Tensor | slice, native: Tensor, scores: Tensor | None = None) -> None:
         """A router's native top-k of its rows, and its scores.
 
@@ -302,7 +357,10 @@ class ReplayMaskHook:
             real = rows.to(device) >= 0
             block, native = rows.to(device)[real], native[real]
             margin = margin[real] if margin is not None else None
-        call.native[column, block] = native.to(torch.int16) + 1
+        if isinstance(block, slice):  # converted while copied, then shifted in place: no temporaries
+            call.native[column, block].copy_(native).add_(1)
+        else:
+            call.native[column, block] = native.to(torch.int16) + 1
         if margin is not None:
             call.native_margin[column, block] = margin
 
@@ -356,23 +414,29 @@ class ReplayMaskHook:
     def _keep_native_routes(self, call: _Call, native: Tensor, margin: Tensor) -> None:
         """Keep each sequence's native routes (and margins) of the native pass for the step's replayed passes."""
         for index, selection in call.selections.items():
-            part, margins = call.token_major(native, index), call.token_major(margin, index)
+            kept = _KeptNative.of(call.token_major(native, index, minus=1), call.token_major(margin, index))
             bounds = selection.offsets.tolist()
             for key, start, end in zip(selection.keys, bounds[:-1], bounds[1:]):
-                self._native_routes[key] = (part[start:end] - 1, margins[start:end])
+                self._native_routes[key] = (kept, start, end)
 
     def _stitch_native_routes(self, routes: Tensor, offsets: Tensor, keys: list[bytes]) -> tuple[Tensor, Tensor, Tensor]:
         """Native routes and margins of a micro-batch from the step's native pass, and which tokens have them."""
+        bounds = offsets.tolist()
+        found = [self._native_routes.get(key) for key in keys]
+        same = _KeptNative.whole(found, bounds)
+        if same is not None and same.routes.shape == routes.shape:  # the native pass's micro-batch again
+            return (same.routes.to(routes.device), same.known.to(routes.device), same.margins.to(routes.device))
         native = torch.zeros(routes.shape, dtype=torch.int16, device=routes.device)
         margin = torch.zeros(routes.shape[:2], device=routes.device)
         known = torch.zeros(routes.shape[0], dtype=torch.bool, device=routes.device)
-        bounds = offsets.tolist()
-        for key, start, end in zip(keys, bounds[:-1], bounds[1:]):
-            found = self._native_routes.get(key)
-            if found is not None and found[0].shape == native[start:end].shape:
-                native[start:end] = found[0].to(routes.device)
-                margin[start:end] = found[1].to(routes.device)
-                known[start:end] = (found[0] >= 0).all(-1).all(-1).to(routes.device)
+        for entry, start, end in zip(found, bounds[:-1], bounds[1:]):
+            if entry is None:
+                continue
+            kept, first, last = entry
+            if kept.routes[first:last].shape == native[start:end].shape:
+                native[start:end] = kept.routes[first:last].to(routes.device)
+                margin[start:end] = kept.margins[first:last].to(routes.device)
+                known[start:end] = kept.known[first:last].to(routes.device)
         return native, known, margin
 
     def _fold_fisher(self) -> int:

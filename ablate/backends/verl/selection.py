@@ -35,18 +35,15 @@ def recorded_routes(routes: Tensor, num_experts: int) -> Tensor:
 
     This is the one check of the micro-batch's ids: :class:`Routes` built from the recorded
     routes skip their own (``ids_checked``). It works on a slot-major copy (``[topk, tokens,
-    layers]``), so every comparison is one long contiguous pass: a running minimum and maximum
-    over the slots for the range, then every pair of slots for duplicates, on uint8 copies of the
+    layers]``), so every comparison is one long contiguous pass: the range from one minimum and
+    maximum of the whole micro-batch (route by route only when some id is out of range), then
+    every pair of slots for duplicates, on uint8 copies of the
     ids when ``num_experts <= 256`` (four times fewer bytes than the int16 ids; wrapping an
     out-of-range id cannot hide a duplicate, and that route is rejected by the range anyway).
     """
     topk = routes.shape[-1]
     slots = routes.movedim(-1, 0).contiguous()
-    low, high = slots[0].clone(), slots[0].clone()
-    for slot in slots[1:]:
-        torch.minimum(low, slot, out=low)
-        torch.maximum(high, slot, out=high)
-    bad = (low < 0) | (high >= num_experts)
+    bad = _out_of_range(slots, num_experts)
     ids = slots.to(torch.uint8) if num_experts <= 256 else slots
     same = torch.empty_like(bad)
     for first in range(topk):
@@ -54,6 +51,21 @@ def recorded_routes(routes: Tensor, num_experts: int) -> Tensor:
             torch.eq(ids[first], ids[second], out=same)
             bad |= same
     return ~bad
+
+
+def _out_of_range(slots: Tensor, num_experts: int) -> Tensor:
+    """``[tokens, layers]`` bool: the route holds an id outside ``[0, num_experts)``, from slot-major ids."""
+    none = torch.zeros(slots.shape[1:], dtype=torch.bool, device=slots.device)
+    if slots.numel() == 0:
+        return none
+    low, high = torch.aminmax(slots)
+    if int(low) >= 0 and int(high) < num_experts:  # the usual case: one reduction settles every route
+        return none
+    low, high = slots[0].clone(), slots[0].clone()
+    for slot in slots[1:]:
+        torch.minimum(low, slot, out=low)
+        torch.maximum(high, slot, out=high)
+    return (low < 0) | (high >= num_experts)
 
 
 def sequence_keys(first_layer: Tensor, offsets: Tensor) -> list[bytes]:
@@ -89,6 +101,8 @@ class MicroBatchSelection:
         mask: ``[tokens, MoE layers]`` replay mask, never True on an invalid token.
         unrecorded: number of MoE routes of the micro-batch that were not recorded.
         fisher_fallback: the fisher policy had no estimate and selected at random.
+        batch: the routes the policy selected from (None when no token was selectable), with
+            what it computed of them (the ``fisher`` policy's route scores) for the counters.
     """
 
     routes: Tensor
@@ -98,6 +112,7 @@ class MicroBatchSelection:
     mask: Tensor
     unrecorded: int
     fisher_fallback: bool
+    batch: Routes | None = None
 
 
 def select_micro_batch(
@@ -123,11 +138,12 @@ def select_micro_batch(
     routes are not known).
     """
     recorded = recorded_routes(routes, num_experts)
-    valid = r3_mask.to(routes.device).bool() & recorded.all(1)
+    # A count per token, not .all(1): a reduction over a short last dimension runs element by element.
+    valid = r3_mask.to(routes.device).bool() & (recorded.sum(1) == recorded.shape[1])
     keys = sequence_keys(routes[:, 0], offsets) if keys is None else keys
     selectable = valid if has_native is None else valid & has_native
     mask = torch.zeros(routes.shape[:2], dtype=torch.bool, device=routes.device)
-    fallback = False
+    fallback, batch = False, None
     if bool(selectable.any()):
         batch = Routes(rollout=routes, valid=selectable, num_experts=num_experts, native=native, offsets=offsets,
                        ids_checked=True, native_margin=native_margin)
@@ -135,5 +151,5 @@ def select_micro_batch(
         fallback = bool(policy.info.get("fisher_fallback", 0.0))
     return MicroBatchSelection(
         routes=routes, offsets=offsets, keys=keys, valid=valid, mask=mask, unrecorded=int((~recorded).sum()),
-        fisher_fallback=fallback,
+        fisher_fallback=fallback, batch=batch,
     )

@@ -229,20 +229,22 @@ def split_augmented(targets: Tensor, topk: int) -> LayerTargets:
 
 
 def split_layers(targets: list[Tensor], topk: int) -> list[LayerTargets]:
-    """Every router's ``[rows, topk + 1]`` augmented targets of one micro-batch, split in one pass.
+    """Every router's ``[rows, topk + 1]`` augmented targets of one micro-batch.
 
     For an engine that hands all layers' targets at once (VeOmni): the routes stay views of the
-    engine's own tensor, the packed columns are read once for every layer, and the layers share
-    their rows, whose ids are checked for one block once.
+    engine's own tensor, and the layers share their rows, whose ids are decoded and checked for
+    one block once. Each layer's mask and validity are decoded from its own packed column only
+    if read: the VeOmni seam takes them from the hook's selection when the rows are one block
+    (:meth:`..hook.ReplayMaskHook.replay_bits`), so the packed columns, a cache line per row in
+    verl's per-layer views, are read only for rows the engine padded.
     """
     for target in targets[:1]:
         _check_columns(target, topk)
-    packed = torch.stack([target[:, topk] for target in targets])  # [layers, rows]
-    mask, valid = (packed & 2) != 0, (packed & 1) != 0
-    ids = (packed[0] >> 2) - 1
-    rows = row_block(ids) or ids
-    return [LayerTargets(target[:, :topk], packed[layer], mask=mask[layer], valid=valid[layer], rows=rows)
-            for layer, target in enumerate(targets)]
+    rows = None
+    if targets:
+        ids = (targets[0][:, topk] >> 2) - 1
+        rows = row_block(ids) or ids
+    return [LayerTargets(target[:, :topk], target[:, topk], rows=rows) for target in targets]
 
 
 def _check_columns(targets: Tensor, topk: int) -> None:

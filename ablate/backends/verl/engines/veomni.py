@@ -199,14 +199,15 @@ class VeOmniSeam(EngineSeam):
         position = known[1]
         if position >= len(self._layers):
             return chosen  # verl raises for a router without a target; this micro-batch is not ablate's
-        layer = self._layers[position]
-        chosen = torch.where(layer.mask.to(chosen.device)[:, None], chosen, top_indices)
-        hook = self.hook
+        layer, hook = self._layers[position], self.hook
+        bits = hook.replay_bits(position, layer.rows) if isinstance(layer.rows, slice) else None
+        mask, valid = bits if bits is not None else (layer.mask, None)  # None: the packed bits, when read
+        chosen = torch.where(mask.to(chosen.device)[:, None], chosen, top_indices)
         if first_fire:  # a recompute under activation checkpointing routes the same rows again
             with torch.no_grad():
                 hook.observe(position, layer.rows, top_indices, routing_scores)
         if torch.is_grad_enabled() and routing_scores.requires_grad:
-            scores, valid = routing_scores, layer.valid
+            scores, valid = routing_scores, layer.valid if valid is None else valid
             routing_scores.register_hook(lambda grad: hook.add_fisher(position, logit_gradients(scores, grad), valid))
         return chosen
 

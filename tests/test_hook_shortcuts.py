@@ -1,0 +1,90 @@
+"""The verl hook's shortcuts give what the long way gives: each is checked against it on one micro-batch.
+
+- a router's mask and validity read from the hook's own selection equal the bits packed into
+  its augmented routes (the VeOmni seam reads the one when its rows are a block, the other else);
+- the native routes of a native pass, taken whole for the same micro-batch, equal the ones
+  stitched sequence by sequence for a regrouped micro-batch;
+- the Fisher route scores are kept on their routes for their estimate only.
+"""
+
+import torch
+
+from ablate import Routes
+from ablate.backends.verl.engines import CallInfo
+from ablate.backends.verl.engines.base import split_layers
+from ablate.backends.verl.hook import HookSettings, ReplayMaskHook
+from ablate.fisher import route_scores
+from ablate.policies import PolicySpec
+
+LAYERS, TOPK, EXPERTS = 4, 3, 12
+
+
+def routes_of(tokens: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.rand(tokens, LAYERS, EXPERTS, generator=generator).argsort(-1)[..., :TOPK].to(torch.int16)
+
+
+def call_info(tokens: int, forward_only: bool = False) -> CallInfo:
+    return CallInfo(forward_only=forward_only, last_update=False, num_tokens=tokens, route_layers=LAYERS, topk=TOPK,
+                    num_experts=EXPERTS, layer_columns=tuple(range(LAYERS)))
+
+
+def test_a_routers_mask_from_the_hook_is_the_bits_packed_for_it():
+    hook = ReplayMaskHook(HookSettings(PolicySpec("random"), 0.4, seed=3, engine="veomni"))
+    lengths = [(0, 7, 19), (0, 11)]  # two micro-batches of a call, as offsets
+    hook.begin_call(call_info(30))
+    for bounds in lengths:
+        rows = bounds[-1]
+        routes = routes_of(rows, seed=rows)
+        r3_mask = torch.arange(rows) % 5 > 0  # tokens outside R3: not valid
+        augmented = hook.augmented_routes(0, routes, r3_mask, torch.tensor(bounds), counted=True)
+        layers = split_layers(list(augmented.to(torch.int64).unbind(1)), TOPK)
+        block = layers[0].rows
+        assert isinstance(block, slice)
+        for column, layer in enumerate(layers):
+            mask, valid = hook.replay_bits(column, block)
+            assert torch.equal(mask, layer.mask) and torch.equal(valid, layer.valid)
+            part = slice(block.start + 2, block.stop - 1)  # a sequence-parallel rank's share of the rows
+            mask, valid = hook.replay_bits(column, part)
+            assert torch.equal(mask, layer.mask[2:-1]) and torch.equal(valid, layer.valid[2:-1])
+    assert hook.replay_bits(0, slice(15, 22)) is None  # rows of two micro-batches
+    assert int(torch.stack([hook.replay_bits(c, slice(0, 19))[0] for c in range(LAYERS)]).sum()) > 0
+
+
+def test_native_routes_taken_whole_equal_those_stitched_sequence_by_sequence():
+    hook = ReplayMaskHook(HookSettings(PolicySpec("mismatch"), 0.3, seed=5, engine="megatron"))
+    tokens, bounds = 20, [0, 6, 13, 20]
+    rollout = routes_of(tokens, seed=1)
+    hook.begin_call(call_info(tokens, forward_only=True), native_pass=True)
+    hook.augmented_routes(0, rollout, torch.ones(tokens, dtype=torch.bool), torch.tensor(bounds), counted=True)
+    native = routes_of(tokens, seed=2)
+    scores = torch.rand(tokens, EXPERTS, generator=torch.Generator().manual_seed(3))
+    for column in range(LAYERS):
+        reported = slice(0, tokens) if column != 2 else slice(0, 9)  # tokens 9.. of layer 2 unreported
+        hook.observe(column, reported, native[reported, column].long(), scores[reported])
+    hook.end_call()
+    sequence_keys = [key for key, _ in sorted(hook._native_routes.items(), key=lambda item: item[1][1])]
+    whole = hook._stitch_native_routes(rollout, torch.tensor(bounds), sequence_keys)
+    # The same sequences regrouped (third, then first): stitched from their rows.
+    order = [sequence_keys[2], sequence_keys[0]]
+    regrouped = torch.cat([rollout[13:20], rollout[0:6]])
+    stitched = hook._stitch_native_routes(regrouped, torch.tensor([0, 7, 13]), order)
+    for part_whole, part_stitched in zip(whole, stitched):
+        assert torch.equal(torch.cat([part_whole[13:20], part_whole[0:6]]), part_stitched)
+    routes, known, _ = whole
+    assert torch.equal(routes[:, [0, 1, 3]], native[:, [0, 1, 3]].long().to(torch.int16))
+    assert known.tolist() == [True] * 9 + [False] * 11
+
+
+def test_route_scores_are_kept_for_their_estimate_only():
+    rollout = routes_of(10, seed=4)
+    routes = Routes(rollout=rollout, valid=torch.arange(10) % 3 > 0, num_experts=EXPERTS)
+    estimate = torch.rand(LAYERS, EXPERTS, generator=torch.Generator().manual_seed(6))
+    first = route_scores(estimate, routes)
+    assert route_scores(estimate.clone(), routes) is first  # the same values: the same scores
+    other = route_scores(estimate * 2, routes)
+    assert torch.allclose(other, 2 * first)
+    native = routes.with_native(rollout.flip(-1))
+    assert route_scores(estimate * 2, native) is other  # kept with the rollout, whatever the native routes
+    expected = estimate[torch.arange(LAYERS)[:, None], rollout.long()].sum(-1) * routes.valid[:, None]
+    assert torch.allclose(first, expected)
