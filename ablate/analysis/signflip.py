@@ -237,9 +237,9 @@ def _exact_hits(samples: np.ndarray, threshold: np.ndarray) -> np.ndarray:
     left = samples[:, :half] @ all_sign_patterns(half).T
     right = np.sort(samples[:, half:] @ all_sign_patterns(n - half).T, axis=1)
     hits = np.full(count, 1 << n, dtype=np.int64)
-    for row in np.flatnonzero(threshold > 0):
-        sums, limit = right[row], threshold[row]
-        above = sums.size * left.shape[1] - np.searchsorted(sums, limit - left[row], "left").sum()
-        below = np.searchsorted(sums, -limit - left[row], "right").sum()
-        hits[row] = above + below
+    pairs = right.shape[1] * left.shape[1]
+    # The arrays' own methods: a row is a few microseconds of work, and numpy's function wrappers cost as much.
+    for row in np.flatnonzero(threshold > 0).tolist():
+        sums, sides, limit = right[row], left[row], threshold[row]
+        hits[row] = pairs - sums.searchsorted(limit - sides, "left").sum() + sums.searchsorted(-limit - sides, "right").sum()
     return hits
