@@ -119,10 +119,12 @@ def test_render_fits_the_width_and_heads_each_outcome_with_its_margin():
     assert lines[0] == "kl_k3_mean (lower is better; no margin declared)"
     assert max(map(len, lines)) <= 60
     contexts = table(REPLAY, [*REPLAY[:5], 0.01, *REPLAY[6:]], keys=())
-    contexts.insert(0, "backend.router_noise", [0.0, 0.07])
+    contexts.insert(0, "backend.router_noise", [0.07, 0.0])  # rows as a store lists them: not in order
     contexts.attrs["by"] = ["backend.router_noise"]
     lines = render(read_verdict({"final_reward": contexts}), {"final_reward": 0.05})
-    assert "final_reward at backend.router_noise=0.07 (higher is better; margin ±0.05)" in lines
+    headings = [line for line in lines if line.startswith("final_reward at ")]
+    assert headings == [f"final_reward at backend.router_noise={noise} (higher is better; margin ±0.05)"
+                        for noise in (0.0, 0.07)]  # in the order of the values, as the figures' panels
 
 
 EVIDENCE = re.compile(r"^\s+(replay|budget|selection|matched) (\S+)-(\w+)(?: (pooled|b=\S+))?: (\S+) .*, "

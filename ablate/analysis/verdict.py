@@ -278,10 +278,11 @@ def _family(family: str) -> str:
 
 
 def _contexts(table: pd.DataFrame, keys: Sequence[str]) -> list[tuple[str, pd.DataFrame]]:
+    """One ``(context, rows)`` per value of the arm keys, in the order of their values (as the figures' panels)."""
     if not keys:
         return [("", table)]
     return [(", ".join(f"{k}={v}" for k, v in zip(keys, values if isinstance(values, tuple) else (values,))), part)
-            for values, part in table.groupby(list(keys), sort=False, dropna=False)]
+            for values, part in table.groupby(list(keys), sort=True, dropna=False)]
 
 
 def heading(outcome: str, context: str, margin: float | None) -> str:
