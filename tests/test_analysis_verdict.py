@@ -3,6 +3,7 @@ verdict traced row by row to the effects file it wrote."""
 
 import math
 import re
+from collections import Counter
 
 import pandas as pd
 import pytest
@@ -125,6 +126,14 @@ def test_render_fits_the_width_and_heads_each_outcome_with_its_margin():
     headings = [line for line in lines if line.startswith("final_reward at ")]
     assert headings == [f"final_reward at backend.router_noise={noise} (higher is better; margin ±0.05)"
                         for noise in (0.0, 0.07)]  # in the order of the values, as the figures' panels
+    # Answered in two contexts: counted across them first, before the answers of each.
+    replay = [line for line in lines if line.startswith("  replay: ")]
+    assert lines[0] == "final_reward across the 2 values of backend.router_noise (each answered below)"
+    assert lines[1] == "  replay: " + ", ".join(
+        f"{finding} in {n}" for finding, n in Counter(line.split(": ")[1].split(" - ")[0] for line in replay[1:]).most_common()
+    ) + " (of 2)"
+    assert not render(read_verdict({"final_reward": table(REPLAY)}), {"final_reward": 0.05})[0].startswith(
+        "final_reward across")  # one context: nothing to count
 
 
 EVIDENCE = re.compile(r"^\s+(replay|budget|selection|matched) (\S+)-(\w+)(?: (pooled|b=\S+))?: (\S+) .*, "

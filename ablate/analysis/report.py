@@ -24,7 +24,7 @@ from ablate.analysis.compute import SweepAnalysis
 from ablate.analysis.export import text_cells
 from ablate.analysis.printer import flags_text
 from ablate.analysis.signflip import DRAWS, EXACT_MAX_N
-from ablate.analysis.verdict import heading
+from ablate.analysis.verdict import across_contexts, heading
 from ablate.store import atomic_write
 
 _STYLE = """
@@ -37,6 +37,7 @@ img { max-width: 100%; border: 1px solid #eee; margin: 0.5em 0; }
 .methods { background: #f8f8f8; padding: 0.8em 1em; border-left: 4px solid #888; }
 .verdict { border-left: 4px solid #0072B2; padding: 0.2em 1em; }
 .verdict li { margin: 0.3em 0; }
+.verdict pre.across { font-size: 0.85em; white-space: pre-wrap; }
 .verdict ul ul { font-family: monospace; font-size: 0.85em; color: #444; list-style: none; padding-left: 1em; }
 """
 
@@ -96,6 +97,9 @@ def _figure(image: Path) -> str:
 def verdict_html(result: SweepAnalysis) -> str:
     """The verdict as the command prints it: per outcome a heading, per subject its answer and the rows it cites."""
     parts = ['<div class="verdict">']
+    across = across_contexts(result.verdict)
+    if across:
+        parts.append(f'<pre class="across">{html.escape(chr(10).join(across).rstrip())}</pre>')
     shown = None
     for answer in result.verdict:
         if (answer.outcome, answer.context) != shown:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import textwrap
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -294,8 +295,9 @@ def heading(outcome: str, context: str, margin: float | None) -> str:
 
 def render(answers: Sequence[Answer], margins: Mapping[str, float | None], width: int = 100) -> list[str]:
     """The verdict as lines of at most ``width`` characters: per outcome a heading, per subject
-    its finding and sentence, and below it the rows it reads, indented."""
-    lines: list[str] = []
+    its finding and sentence, and below it the rows it reads, indented. An outcome answered in
+    several contexts is first counted across them (:func:`across_contexts`)."""
+    lines = across_contexts(answers, width)
     shown = None
     for answer in answers:
         if (answer.outcome, answer.context) != shown:
@@ -306,6 +308,29 @@ def render(answers: Sequence[Answer], margins: Mapping[str, float | None], width
                                initial_indent="  ", subsequent_indent="      ")
         for row in answer.evidence:
             lines += textwrap.wrap(row.text(), width, initial_indent="      ", subsequent_indent="        ")
+    return lines
+
+
+def across_contexts(answers: Sequence[Answer], width: int = 100) -> list[str]:
+    """Per outcome answered in more than one context (a value of the arm keys besides policy and
+    budget), one line per subject counting its findings over the contexts: a sweep over many
+    settings answers each of them, and its reader looks first for what holds in all."""
+    contexts: dict[str, dict[str, None]] = {}
+    findings: dict[str, dict[str, Counter[str]]] = {}
+    for answer in answers:
+        contexts.setdefault(answer.outcome, {})[answer.context] = None
+        findings.setdefault(answer.outcome, {}).setdefault(answer.subject, Counter())[answer.finding] += 1
+    lines: list[str] = []
+    for outcome, seen in contexts.items():
+        if len(seen) < 2:
+            continue
+        keys = ", ".join(dict.fromkeys(part.split("=", 1)[0] for part in next(iter(seen)).split(", ")))
+        lines += [""] if lines else []
+        lines += textwrap.wrap(f"{outcome} across the {len(seen)} values of {keys} (each answered below)", width)
+        for subject, counted in findings[outcome].items():
+            counts = ", ".join(f"{finding} in {n}" for finding, n in counted.most_common())
+            lines += textwrap.wrap(f"{subject}: {counts} (of {len(seen)})", width, initial_indent="  ",
+                                   subsequent_indent="      ")
     return lines
 
 
