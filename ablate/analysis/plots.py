@@ -31,7 +31,7 @@ import_extra("matplotlib", "Plots")
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from ablate.analysis.tables import FIXED_BUDGET_POLICIES, order_policies  # noqa: E402
+from ablate.analysis.tables import FIXED_BUDGET_POLICIES, context_label, contexts, order_policies  # noqa: E402
 from ablate.arms import arm_policy  # noqa: E402
 from ablate.policies import policy_look  # noqa: E402
 from ablate.policies.base import DERIVED_COLORS  # noqa: E402
@@ -317,12 +317,8 @@ def _contexts(frame: pd.DataFrame, keys: list[str],
     frame = without_attrs(frame)
     if not keys or frame.empty:
         return [("", frame)], ""
-    groups = list(frame.groupby(keys, sort=True, dropna=False))
-    panels = []
-    for index in _spread(len(groups), limit):
-        values, part = groups[index]
-        values = values if isinstance(values, tuple) else (values,)
-        panels.append((", ".join(f"{k}={v}" for k, v in zip(keys, values)), part))
+    groups = contexts(frame, keys)
+    panels = [(context_label(groups[index][0]), groups[index][1]) for index in _spread(len(groups), limit)]
     if len(panels) == len(groups):
         return panels, ""
     return panels, (f"; {len(panels)} of {len(groups)} values of {', '.join(keys)}, spread from the first to the "

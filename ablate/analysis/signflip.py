@@ -241,5 +241,6 @@ def _exact_hits(samples: np.ndarray, threshold: np.ndarray) -> np.ndarray:
     # The arrays' own methods: a row is a few microseconds of work, and numpy's function wrappers cost as much.
     for row in np.flatnonzero(threshold > 0).tolist():
         sums, sides, limit = right[row], left[row], threshold[row]
-        hits[row] = pairs - sums.searchsorted(limit - sides, "left").sum() + sums.searchsorted(-limit - sides, "right").sum()
+        above = pairs - sums.searchsorted(limit - sides, "left").sum()
+        hits[row] = above + sums.searchsorted(-limit - sides, "right").sum()
     return hits

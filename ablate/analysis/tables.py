@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterable, Sequence
+from typing import Any, Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -82,11 +82,17 @@ def arm_keys(df: pd.DataFrame, by: Sequence[str] | None = None) -> list[str]:
 
 
 def contexts(df: pd.DataFrame, keys: Sequence[str]) -> list[tuple[dict[str, Any], pd.DataFrame]]:
-    """``({key: value}, rows)`` for each combination of the arm keys besides policy and budget."""
+    """``({key: value}, rows)`` for each combination of the arm keys besides policy and budget, in
+    the order of their values: the tables, the verdict and the figures' panels list them alike."""
     if not keys:
         return [({}, df)]
     return [(dict(zip(keys, values if isinstance(values, tuple) else (values,))), part)
-            for values, part in df.groupby(list(keys), sort=False, dropna=False)]
+            for values, part in df.groupby(list(keys), sort=True, dropna=False)]
+
+
+def context_label(values: Mapping[str, Any]) -> str:
+    """A context as it is printed: ``"backend.router_noise=0.07"`` ("" for none)."""
+    return ", ".join(f"{key}={value}" for key, value in values.items())
 
 
 def summarize(

@@ -46,7 +46,7 @@ import pandas as pd
 from ablate.outcomes import HIGHER_IS_BETTER
 from ablate.analysis.frames import without_attrs
 from ablate.analysis.power import MAX_SEEDS
-from ablate.analysis.tables import order_policies
+from ablate.analysis.tables import context_label, contexts, order_policies
 from ablate.policies.roles import BUDGET_CONTROL, FULL_REPLAY, NO_REPLAY
 
 #: The effect kinds as the verdict names them (``matched_selection`` is long for a line).
@@ -279,11 +279,7 @@ def _family(family: str) -> str:
 
 
 def _contexts(table: pd.DataFrame, keys: Sequence[str]) -> list[tuple[str, pd.DataFrame]]:
-    """One ``(context, rows)`` per value of the arm keys, in the order of their values (as the figures' panels)."""
-    if not keys:
-        return [("", table)]
-    return [(", ".join(f"{k}={v}" for k, v in zip(keys, values if isinstance(values, tuple) else (values,))), part)
-            for values, part in table.groupby(list(keys), sort=True, dropna=False)]
+    return [(context_label(values), part) for values, part in contexts(table, keys)]
 
 
 def heading(outcome: str, context: str, margin: float | None) -> str:
