@@ -73,8 +73,11 @@ def _as_fraction(budget: object, where: str) -> float:
 
 
 def count_for(budget: float, num_routes: int) -> int:
-    """``n = floor(b * N + 0.5)``: round half up, the same integer for every policy."""
-    return min(num_routes, math.floor(check_budget(budget) * num_routes + 0.5))
+    """``n = floor(b * N + 0.5)``: round half up, the same integer for every policy.
+
+    ``budget`` is a settled one (:meth:`ablate.policies.ReplayPolicy.resolve_budget`).
+    """
+    return min(num_routes, math.floor(budget * num_routes + 0.5))
 
 
 def sequence_counts(budget: float, valid_tokens: Tensor, num_layers: int) -> Tensor:
@@ -83,7 +86,6 @@ def sequence_counts(budget: float, valid_tokens: Tensor, num_layers: int) -> Ten
     Computed in float64, the arithmetic of :func:`count_for`, so ``n_s`` equals
     ``count_for(budget, N_s)`` exactly for every sequence.
     """
-    budget = check_budget(budget)
     routes = valid_tokens.to(torch.float64) * num_layers
     return torch.minimum(torch.floor(budget * routes + 0.5), routes).long()
 
@@ -97,6 +99,7 @@ def replay_count(budget: float, routes: Routes | int, *, per_layer: bool = False
     many routes and can be compared. With ``per_sequence=True`` it is the sum of the
     per-sequence counts ``n_s`` (which may differ from the global ``n`` by rounding).
     """
+    budget = _as_fraction(budget, "")  # a budget of no policy: only the range to check
     if per_sequence:
         if isinstance(routes, int) or routes.valid_offsets is None:
             raise BudgetError("per_sequence=True counts within sequences: expected Routes with offsets")

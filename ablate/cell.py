@@ -22,10 +22,10 @@ from typing import Any
 
 from ablate.arms import arm_name
 from ablate.budget import budget_label
-from ablate.config import BackendConfig, FisherEstimateConfig, TrackingConfig, choice_value
+from ablate.config import BackendConfig, FisherEstimateConfig, TrackingConfig
 from ablate.diagnostics import SCHEMA_VERSION
-from ablate.policies import PolicySpec, policy_class
 from ablate.probes import Probe
+from ablate.replay.spec import ReplaySpec
 from ablate.store import sweep_directory
 
 #: Top-level config keys that never change what a cell computes (``plugins`` says where a policy's
@@ -39,12 +39,10 @@ __all__ = ["NOT_IDENTITY", "Cell", "cell_id_of", "cell_name"]
 @dataclass(frozen=True)
 class Cell:
     backend: BackendConfig
-    policy: str
-    #: Settings passed to ``get_policy`` (``per_layer``, ``tau``, ...).
-    policy_settings: dict[str, Any]
+    #: What the cell replays: its policy and settings, its budget (resolved), its seed and probes.
+    replay: ReplaySpec
+    #: How the Fisher estimate is measured (its smoothing is part of ``replay``).
     fisher: FisherEstimateConfig
-    budget: float
-    seed: int
     sweep: str
     cell_id: str
     name: str
@@ -52,11 +50,6 @@ class Cell:
     #: Non-default policy settings, e.g. ``tau=1,fisher.estimator=expert_params`` ("" for defaults):
     #: with the policy it names the arm a cell belongs to in an analysis.
     variant: str = ""
-    #: Modules imported before the policy is looked up (the config's ``plugins``).
-    plugins: tuple[str, ...] = ()
-    #: Counterfactual probes scored every ``probe_every`` steps (``ablate.probes``); none by default.
-    probes: tuple[Probe, ...] = ()
-    probe_every: int = 1
     #: The run store's root, absolute (``store_dir`` resolved where the command started).
     store_dir: Path = Path("runs")
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
@@ -88,12 +81,36 @@ class Cell:
             flat["trial"] = self.trial
         return flat
 
-    def policy_spec(self) -> PolicySpec:
-        """The cell's policy and Fisher settings, as every backend builds them."""
-        return PolicySpec(
-            name=self.policy, settings=dict(self.policy_settings), fisher_decay=self.fisher.decay,
-            fisher_normalize=choice_value(self.fisher.normalize), plugins=self.plugins,
-        )
+    @property
+    def policy(self) -> str:
+        return self.replay.policy.name
+
+    @property
+    def policy_settings(self) -> dict[str, Any]:
+        """Settings passed to ``get_policy`` (``per_layer``, ``tau``, ...)."""
+        return self.replay.policy.settings
+
+    @property
+    def budget(self) -> float:
+        return self.replay.budget
+
+    @property
+    def seed(self) -> int:
+        return self.replay.seed
+
+    @property
+    def plugins(self) -> tuple[str, ...]:
+        """Modules imported before the policy is looked up (the config's ``plugins``)."""
+        return self.replay.policy.plugins
+
+    @property
+    def probes(self) -> tuple[Probe, ...]:
+        """Counterfactual probes scored every ``probe_every`` steps (``ablate.probes``); none by default."""
+        return self.replay.probes
+
+    @property
+    def probe_every(self) -> int:
+        return self.replay.probe_every
 
     @property
     def display_name(self) -> str:
@@ -106,7 +123,7 @@ class Cell:
         return int(getattr(self.backend, "steps", 0) or 0)
 
 
-def cell_name(policy: str, budget: float, seed: int, trial: int | None = None, variant: str = "") -> str:
+def cell_name(replay: ReplaySpec, trial: int | None = None, variant: str = "") -> str:
     """``fisher-b0.25-s3``; ``none-s3`` and ``full-s3`` carry no budget, they have only one.
 
     A settings variant joins the policy (``fisher+tau=1.0-b0.25-s3``), so that two arms of one
@@ -114,8 +131,8 @@ def cell_name(policy: str, budget: float, seed: int, trial: int | None = None, v
     brackets are glob characters in a shell and in ``Path.glob``). Trials of an Optuna study get ``-t<number>``:
     they share policy, budget and seed.
     """
-    arm = arm_name(policy, variant, in_path=True)
-    name = f"{arm}-s{seed}" if policy_class(policy).fixed_budget is not None else f"{arm}-b{budget_label(budget)}-s{seed}"
+    arm, seed = arm_name(replay.policy.name, variant, in_path=True), replay.seed
+    name = f"{arm}-s{seed}" if replay.budget_is_fixed else f"{arm}-b{budget_label(replay.budget)}-s{seed}"
     return name if trial is None else f"{name}-t{trial}"
 
 

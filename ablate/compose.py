@@ -29,16 +29,17 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigTypeError
 
 from ablate.backends import backend_names, get_backend
-from ablate.budget import check_budget
+from ablate.budget import BudgetError
 from ablate.cell import Cell, cell_id_of, cell_name
 from ablate.config import AppConfig, ConfigError, FisherEstimateConfig, choice_value, require
 from ablate.diagnostics import SCHEMA_VERSION
 from ablate.outcomes import check_objective
-from ablate.policies import PolicyError, get_policy, load_plugins, policy_class
+from ablate.policies import PolicyError, PolicySpec, get_policy, load_plugins, policy_class
 from ablate.probes import check_probe_every, parse_probes, probe_table
+from ablate.replay.spec import ReplaySpec
 from ablate.store import store_root
 
-__all__ = ["CellTemplate", "ConfigError", "cell_from_config", "resolved_config", "unknown_key", "variant_of"]
+__all__ = ["CellTemplate", "ConfigError", "cell_from_config", "replay_spec", "unknown_key", "variant_of"]
 
 #: The longest file name most file systems take (bytes): a cell's directory must fit.
 MAX_NAME_BYTES = 255
@@ -85,20 +86,22 @@ def build_cell(app: AppConfig, plain: dict[str, Any], plugins: tuple[str, ...], 
     app.check_values()
     _check_objective(app.objective)
     name = app.policy.name
-    resolved = finish_resolved(plain, name)
-    policy_cfg = resolved["policy"]
+    policy_cfg = plain["policy"]
     settings = {k: v for k, v in policy_cfg.items() if k not in ("name", "fisher")}
     _check_policy_settings(name, settings)
+    fisher, trial = app.policy.fisher, app.trial
+    replay = replay_spec(plain, PolicySpec(name, settings, fisher_decay=fisher.decay,
+                                           fisher_normalize=choice_value(fisher.normalize), plugins=plugins))
+    resolved = {**plain, "budget": replay.budget, "schema_version": SCHEMA_VERSION,
+                "probes": probe_table(replay.probes), "probe_every": replay.probe_every}
     check_supported(app, resolved["probes"])
-    budget, seed, trial = resolved["budget"], int(app.seed), app.trial
     variant = variant_of(name, settings, policy_cfg.get("fisher", {}))
     objective = app.objective
     multi = not isinstance(objective, str)
     cell = Cell(
-        backend=app.backend, policy=name, policy_settings=settings, fisher=app.policy.fisher, budget=budget, seed=seed,
-        sweep=app.sweep, cell_id=cell_id_of(resolved), trial=trial, variant=variant, plugins=plugins,
-        name=cell_name(name, budget, seed, trial, variant), probes=_probes(resolved["probes"]),
-        probe_every=resolved["probe_every"], store_dir=_store_root(app.store_dir), tracking=app.tracking,
+        backend=app.backend, replay=replay, fisher=fisher, sweep=app.sweep, cell_id=cell_id_of(resolved), trial=trial,
+        variant=variant, name=cell_name(replay, trial, variant), store_dir=_store_root(app.store_dir),
+        tracking=app.tracking,
         objective=tuple(str(o) for o in objective) if multi else (str(objective),), multi_objective=multi,
         resolved=resolved,
     )
@@ -312,19 +315,15 @@ def resolved_plain(cfg: DictConfig) -> dict[str, Any]:
     return plain
 
 
-def finish_resolved(plain: dict[str, Any], policy: str) -> dict[str, Any]:
-    """The resolved config a cell records: its budget resolved (``none`` -> 0, ``full`` -> 1), the
-    schema version, and the probes in canonical form (the same probes written either way are the same cell)."""
-    try:
-        budget = check_budget(plain["budget"], policy, fixed=policy_class(policy).fixed_budget)
-    except ValueError as error:
-        raise ConfigError(f"{error} (from the config key budget)") from None
+def replay_spec(plain: dict[str, Any], policy: PolicySpec) -> ReplaySpec:
+    """The cell's :class:`ReplaySpec`: its budget resolved (``none`` -> 0, ``full`` -> 1) and its probes
+    in canonical form (the same probes written either way are the same cell), or a one-line error."""
     table = plain.get("probes")
-    return {**plain, "budget": budget, "schema_version": SCHEMA_VERSION,
-            "probes": probe_table(_probes(table) if isinstance(table, list) else parse_probes(table)),
-            "probe_every": check_probe_every(plain.get("probe_every", 1))}
+    probes = _probes(table) if isinstance(table, list) else parse_probes(table)
+    try:
+        return ReplaySpec(policy, plain["budget"], int(plain["seed"]), probes,
+                          check_probe_every(plain.get("probe_every", 1)))
+    except BudgetError as error:
+        raise ConfigError(f"{error} (from the config key budget)") from None
 
 
-def resolved_config(cfg: DictConfig) -> dict[str, Any]:
-    """The resolved config a cell of ``cfg`` records (:func:`finish_resolved`)."""
-    return finish_resolved(resolved_plain(cfg), cfg.policy.name)

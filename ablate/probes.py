@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from ablate.budget import BudgetError, check_budget
+from ablate.budget import BudgetError
 from ablate.config import ConfigError
 from ablate.diagnostics.schema import PROBE_ID, probe_key
 from ablate.policies import available_policies, get_policy, policy_class
-from ablate.seeding import keyed_seed
+from ablate.seeding import stream
 
 #: What a probe logs of its pass: the ``mismatch/`` keys and what its mask changed.
 PROBE_REPLAY_KEYS = ("replay/budget_realized", "replay/override_rate", "replay/effective_budget")
@@ -88,7 +88,7 @@ def parse_probe(entry: Any, where: str) -> Probe:
     if policy not in available_policies():
         raise ConfigError(f"{where}={entry}: policy {policy!r} is not one of {', '.join(available_policies())}")
     try:
-        budget = check_budget(budget, policy, fixed=_fixed_budget(policy))
+        budget = policy_class(policy).resolve_budget(budget)
         get_policy(policy, **settings)
     except (BudgetError, ValueError, TypeError) as error:
         raise ConfigError(f"{where}={entry}: {error}") from None
@@ -156,9 +156,10 @@ def is_probed(step: int, every: int) -> bool:
     return step % every == 0
 
 
-def probe_generator(seed: int, step: int, probe_id: str) -> torch.Generator:
-    """The generator of one probe at one step: a function of (cell seed, step, probe id) only."""
-    return torch.Generator().manual_seed(keyed_seed(f"{seed}/{step}/{probe_id}", b"ablate-probe"))
+def probe_generator(seed: int, step: int, probe_id: str, *sequence: bytes) -> torch.Generator:
+    """The generator of one probe at one step (of one sequence, by its content key): a function of
+    (cell seed, step, probe id, sequence) only."""
+    return stream(seed, "probe", step, probe_id, *sequence)
 
 
 def probe_record(probe_id: str, metrics: Mapping[str, float]) -> dict[str, float]:

@@ -3,7 +3,7 @@
 For one micro-batch of 8,192 tokens (48 MoE layers, 128 experts, top-8, int16: verl's
 ``routed_experts``) laid out as 32 sequences of 256 tokens and as 3 sequences of 2,731, it
 times what the hook adds to verl's R3 on the rank that counts the micro-batch, through the real
-:class:`ablate.backends.verl.hook.ReplayMaskHook` and each engine's seam:
+:class:`ablate.replay.hook.ReplayMaskHook` and each engine's seam:
 
 - select: the micro-batch's selection (recorded-route check, per-sequence keys and generators,
   one batched per-sequence policy selection) and the augmented routes the engine packs
@@ -36,10 +36,9 @@ from collections.abc import Callable
 
 import torch
 
-from ablate.backends.verl.engines import CallInfo
-from ablate.backends.verl.engines.base import split_augmented
-from ablate.backends.verl.hook import HookSettings, ReplayMaskHook
-from ablate.policies import PolicySpec
+from ablate.backends.verl.hook_settings import HookSettings
+from ablate.replay import ReplaySpec
+from ablate.replay.seams import CallInfo, split_augmented
 
 LAYOUTS = {"32 x 256": [256] * 32, "3 x 2,731": [2731, 2731, 2730]}
 POLICIES = ("random", "uniform", "fisher", "mismatch")
@@ -77,7 +76,7 @@ class MicroBatch:
     def __init__(self, engine: str, policy: str, routes, native, offsets, experts: int) -> None:
         tokens, layers, topk = routes.shape
         self.engine, self.routes, self.offsets, self.topk = engine, routes, offsets, topk
-        self.hook = ReplayMaskHook(HookSettings(PolicySpec(policy), 0.25, seed=0, engine=engine))
+        self.hook = HookSettings(ReplaySpec.of(policy, 0.25, seed=0), engine=engine).make_hook()
         device = routes.device
         self.r3_mask = torch.ones(tokens, dtype=torch.bool, device=device)
         if engine == "megatron":

@@ -71,10 +71,10 @@ def main() -> None:
     import megatron_world as world
     from megatron.core import parallel_state as mpu
 
-    from ablate.backends.verl.engines import CallInfo
     from ablate.backends.verl.engines.megatron import layer_columns
-    from ablate.backends.verl.hook import HookSettings, ReplayMaskHook
-    from ablate.policies import PolicySpec
+    from ablate.backends.verl.hook_settings import HookSettings
+    from ablate.replay import ReplaySpec
+    from ablate.replay.seams import CallInfo
     from verl.utils.megatron import router_replay_utils
     from verl.utils.megatron.router_replay_patch import RouterReplay, RouterReplayAction
     from verl.utils.megatron.router_replay_utils import (
@@ -145,7 +145,7 @@ def main() -> None:
         plain = median_time(args.repeats, lambda: step(lengths, *batch, None), device)
         print(f"{layout_name:<10} {'R3 (verl)':<18} {plain * 1e3:>17.1f}")
         for policy in args.policies.split(","):
-            hook = ReplayMaskHook(HookSettings(PolicySpec(policy), 0.25, seed=0))
+            hook = HookSettings(ReplaySpec.of(policy, 0.25, seed=0)).make_hook()
             hook.seam.install_routers()
             step(lengths, *batch, hook, last_update=True)  # one closed step: fisher has an estimate
             step(lengths, *batch, hook, forward_only=True)  # the old-log-prob pass: mismatch's native routes

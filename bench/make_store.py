@@ -37,6 +37,7 @@ from typing import Iterator
 import yaml
 
 from ablate.cell import cell_id_of, cell_name
+from ablate.replay import ReplaySpec
 from ablate.store import (
     CELL_FILE,
     CONFIG_FILE,
@@ -148,7 +149,7 @@ class Source:
         config = {**self.config, "seed": seed, "sweep": sweep, "store_dir": str(sweep_dir.parent),
                   "backend": {**self.config["backend"], "router_noise": noise}}
         identity = {**self.identity, "cell_id": cell_id_of(config), "seed": seed, "sweep": sweep, "wandb_run_id": None,
-                    "name": cell_name(self.identity["policy"], self.identity["budget"], seed, None,
+                    "name": cell_name(ReplaySpec.of(self.identity["policy"], self.identity["budget"], seed), None,
                                       self.identity["variant"])}
         directory = sweep_dir / f"{identity['name']}-{identity['cell_id'][:8]}"
         directory.mkdir()

@@ -227,7 +227,7 @@ def test_route_scores_never_read_padding_ids(valid_share, dtype):
 @pytest.mark.parametrize("topk", range(1, 10))
 def test_recorded_routes_agree_with_a_set_per_route(experts, topk):
     """Distinct and in-range ids, against Python's sets, with ids that collide modulo 256."""
-    from ablate.backends.verl.selection import recorded_routes
+    from ablate.replay.batch import recorded_routes
 
     g = torch.Generator().manual_seed(experts + topk)
     ids = torch.randint(-1, experts + 1, (3000, 3, topk), generator=g, dtype=torch.int16)

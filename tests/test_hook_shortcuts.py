@@ -10,11 +10,11 @@
 import torch
 
 from ablate import Routes
-from ablate.backends.verl.engines import CallInfo
-from ablate.backends.verl.engines.base import split_layers
-from ablate.backends.verl.hook import HookSettings, ReplayMaskHook
+from ablate.backends.verl.hook_settings import HookSettings
 from ablate.fisher import route_scores
 from ablate.policies import PolicySpec
+from ablate.replay import ReplaySpec
+from ablate.replay.seams import CallInfo, split_layers
 
 LAYERS, TOPK, EXPERTS = 4, 3, 12
 
@@ -30,7 +30,7 @@ def call_info(tokens: int, forward_only: bool = False) -> CallInfo:
 
 
 def test_a_routers_mask_from_the_hook_is_the_bits_packed_for_it():
-    hook = ReplayMaskHook(HookSettings(PolicySpec("random"), 0.4, seed=3, engine="veomni"))
+    hook = HookSettings(ReplaySpec(PolicySpec("random"), 0.4, seed=3), engine="veomni").make_hook()
     lengths = [(0, 7, 19), (0, 11)]  # two micro-batches of a call, as offsets
     hook.begin_call(call_info(30))
     for bounds in lengths:
@@ -52,7 +52,7 @@ def test_a_routers_mask_from_the_hook_is_the_bits_packed_for_it():
 
 
 def test_native_routes_taken_whole_equal_those_stitched_sequence_by_sequence():
-    hook = ReplayMaskHook(HookSettings(PolicySpec("mismatch"), 0.3, seed=5, engine="megatron"))
+    hook = HookSettings(ReplaySpec(PolicySpec("mismatch"), 0.3, seed=5), engine="megatron").make_hook()
     tokens, bounds = 20, [0, 6, 13, 20]
     rollout = routes_of(tokens, seed=1)
     hook.begin_call(call_info(tokens, forward_only=True), native_pass=True)

@@ -1,8 +1,11 @@
 """The core's imports flow one way (docs/design.md, "Data flows one way").
 
 The graph is read from the source, every import statement included: those inside functions
-(lazy imports) and under ``if TYPE_CHECKING``. An *area* is a subpackage of ``ablate`` or a
-top-level module (the package's own ``__init__`` is the area ``ablate``).
+(lazy imports) and, between areas, under ``if TYPE_CHECKING``. An *area* is a subpackage of
+``ablate`` or a top-level module (the package's own ``__init__`` is the area ``ablate``). Between
+*modules* no cycle is allowed either, lazy imports included: an import inside a function that
+closes a loop is a cycle postponed, not removed. Only imports under ``if TYPE_CHECKING`` (names
+for annotations, never executed) are left out of the module graph.
 """
 
 from __future__ import annotations
@@ -26,12 +29,29 @@ def is_module(name: str) -> bool:
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
-def imported_modules(path: Path) -> set[str]:
-    """Every ablate module ``path`` imports, with ``from package import module`` read as the module."""
+class _WithoutTypeChecking(ast.NodeTransformer):
+    """Drops ``if TYPE_CHECKING:`` blocks: their imports never run."""
+
+    def visit_If(self, node: ast.If) -> ast.AST | None:
+        test = node.test
+        if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+                isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
+            return None
+        return self.generic_visit(node)
+
+
+def imported_modules(path: Path, *, type_checking: bool = True) -> set[str]:
+    """Every ablate module ``path`` imports, with ``from package import module`` read as the module.
+
+    ``type_checking=False`` leaves out the imports under ``if TYPE_CHECKING``.
+    """
     own = module_name(path)
     package = own if path.name == "__init__.py" else own.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    if not type_checking:
+        tree = _WithoutTypeChecking().visit(tree)
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -55,6 +75,15 @@ def area_graph() -> dict[str, set[str]]:
     for path in PACKAGE.rglob("*.py"):
         source = area(module_name(path))
         graph[source].update(area(target) for target in imported_modules(path) if area(target) != source)
+    return graph
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Module -> the ablate modules it imports when it runs (any import statement, none under TYPE_CHECKING)."""
+    graph: dict[str, set[str]] = defaultdict(set)
+    for path in PACKAGE.rglob("*.py"):
+        source = module_name(path)
+        graph[source].update(target for target in imported_modules(path, type_checking=False) if target != source)
     return graph
 
 
@@ -103,6 +132,16 @@ def test_a_cycle_is_found():
 
 def test_no_import_cycle_between_areas():
     assert cycles(area_graph()) == []
+
+
+def test_the_module_reader_sees_lazy_imports_and_skips_type_checking_ones():
+    graph = module_graph()
+    assert "ablate.runner" in graph["ablate.app"]  # app.py: inside a function only
+    assert "ablate.cell" not in graph["ablate.backends"]  # backends/__init__.py: under TYPE_CHECKING only
+
+
+def test_no_import_cycle_between_modules():
+    assert cycles(module_graph()) == []
 
 
 def test_nothing_outside_the_analysis_imports_it():

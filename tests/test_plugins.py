@@ -99,7 +99,7 @@ def test_a_module_named_in_plugins_composes_typed_checks_and_runs_like_a_builtin
     summary = run_cell(cfg)
     assert summary["steps"] == 6
     # The policy replays the deepest layer first: at budget 0.5 with 2 layers, all of layer 1.
-    assert cell.policy_spec().build(2, 4)[0].select(
+    assert cell.replay.policy.build(2, 4)[0].select(
         Routes(rollout=torch.tensor([[[0, 1], [2, 3]]] * 4), valid=torch.ones(4, dtype=torch.bool), num_experts=4), 0.5,
     ).tolist() == [[False, True]] * 4
 

@@ -47,20 +47,14 @@ from torch import Tensor, nn
 
 from ablate.backends import RunContext
 from ablate.backends.synthetic_config import BACKEND, SyntheticConfig
-from ablate.budget import check_budget
 from ablate.cell import Cell
 from ablate.config import choice_value
-from ablate.diagnostics import mismatch_metrics, replay_metrics, route_diagnostics
-from ablate.fisher import (
-    FisherTracker,
-    GradientCapture,
-    expert_output_sq_grads,
-    linear_param_sq_grads,
-    router_logit_sq_grads,
-)
-from ablate.policies import PolicySpec, ReplayPolicy, replay_mask
-from ablate.probes import Probe, is_probed, probe_generator, probe_record
+from ablate.diagnostics import expert_load, load_metrics, mismatch_metrics
+from ablate.fisher import GradientCapture, expert_output_sq_grads, linear_param_sq_grads, router_logit_sq_grads
+from ablate.replay import ReplaySession
+from ablate.replay.session import new_counts
 from ablate.routes import Routes, native_margin
+from ablate.seeding import stream, stream_seed
 
 # --- the task ----------------------------------------------------------------------------
 
@@ -408,37 +402,32 @@ class StepBatch:
     rollout_log_probs: Tensor  # [B, R]
 
 
-def probe_policies(cell: Cell, fisher: FisherTracker) -> list[tuple[Probe, ReplayPolicy]]:
-    """Each probe's own policy object; a ``fisher`` probe reads the cell's Fisher estimate."""
-    return [(probe, PolicySpec(probe.policy, dict(probe.settings)).policy_reading(fisher)) for probe in cell.probes]
-
-
 @torch.no_grad()
 def score_probes(
-    model: MoEPolicy, batch: StepBatch, probes: list[tuple[Probe, ReplayPolicy]], native: Tensor | None,
-    *, seed: int, step: int, num_experts: int, extreme_threshold: float,
-) -> dict[str, float]:
-    """One forward-only pass per probe mask on the step's batch: its ``probe/<id>/`` keys.
+    session: ReplaySession, model: MoEPolicy, batch: StepBatch, native: Tensor | None, *, num_experts: int,
+    extreme_threshold: float,
+) -> None:
+    """One forward-only pass per probe mask on the step's batch: its ``probe/<id>/`` keys, to the session.
 
     ``native`` is the step's native routes when the cell already computed them (``mismatch``);
     otherwise one native pass is run here, only if a probe selects on native routes. The replay
     keys compare each mask with the native routes of its own pass, as the cell's keys do.
     """
-    record: dict[str, float] = {}
     every_token = torch.ones_like(batch.rollout_log_probs, dtype=torch.bool)
-    for probe, policy in probes:
-        if policy.needs_native_routes and native is None:
+    for probe in session.probes():
+        needs_native = probe.policy.needs_native_routes
+        if needs_native and native is None:
             native = model(batch.inputs)[2]
         routes = Routes(rollout=batch.rollout_routes, valid=batch.valid, num_experts=num_experts,
-                        offsets=batch.offsets, native=native if policy.needs_native_routes else None)
-        mask = replay_mask(policy, routes, probe.budget, generator=probe_generator(seed, step, probe.id))
+                        offsets=batch.offsets, native=native if needs_native else None)
+        mask = session.select(routes, probe=probe)
         logits, _, native_in_probe = model(batch.inputs, replay=Replay(batch.rollout_routes, mask))
         logp = token_log_probs(logits, batch.targets)[:, batch.response]
-        metrics = mismatch_metrics(logp, batch.rollout_log_probs, every_token, extreme_threshold=extreme_threshold)
-        scored = Routes(rollout=batch.rollout_routes, valid=batch.valid, num_experts=num_experts, native=native_in_probe)
-        metrics.update(replay_metrics(scored, mask, probe.budget))
-        record.update(probe_record(probe.id, metrics))
-    return record
+        counts = new_counts()
+        session.count(Routes(rollout=batch.rollout_routes, valid=batch.valid, num_experts=num_experts,
+                             native=native_in_probe), mask, into=counts)
+        session.add_probe(probe.probe, counts, mismatch_metrics(logp, batch.rollout_log_probs, every_token,
+                                                             extreme_threshold=extreme_threshold))
 
 
 def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]) -> MoEPolicy:
@@ -448,15 +437,14 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
     """
     cfg = BACKEND.config_of(cell)
     cfg.check()
-    policy, fisher = cell.policy_spec().build(cfg.layers, cfg.experts)
-    budget = check_budget(cell.budget, policy.name, fixed=policy.fixed_budget)
+    session = ReplaySession(cell.replay, cfg.layers, cfg.experts, cfg.topk)
+    fisher = session.tracker
     torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cell.seed)  # model initialisation: the same for every policy of a seed
+    torch.manual_seed(stream_seed(cell.seed, "init"))  # model initialisation: the same for every policy of a seed
     prompt_len, response_len = 1 + cfg.digits, cfg.response_length
     seq_len = prompt_len + response_len - 1
     model = MoEPolicy(cfg, seq_len)
-    streams = {name: torch.Generator().manual_seed(cell.seed * 7919 + offset) for offset, name in enumerate(
-        ("prompts", "sampling", "selection", "router_noise"))}
+    streams = {name: stream(cell.seed, name) for name in ("prompts", "sampling", "router_noise")}
     engine = RolloutEngine(model, cfg, streams["router_noise"])
     # The engine samples with the weights of `rollout_lag` steps ago: the oldest state kept here.
     history = deque([snapshot(model)], maxlen=cfg.rollout_lag + 1)
@@ -470,9 +458,8 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
     # Sequence boundaries: `uniform` spreads its quota over sequences and positions with them.
     offsets = torch.arange(0, batch_size * seq_len + 1, seq_len)
     response = slice(prompt_len - 1, seq_len)  # positions whose next token is a response token
-    needs_native = policy.needs_native_routes
+    needs_native = session.needs_native
     estimator = choice_value(cell.fisher.estimator)
-    probes = probe_policies(cell, fisher)
 
     for step in range(cfg.steps):
         batch = sample_prompts(cfg, streams["prompts"])
@@ -494,22 +481,22 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
             routes = Routes(rollout=flat_rollout, valid=valid, num_experts=cfg.experts, offsets=offsets,
                             native=None if native_pass is None else native_pass[2],
                             native_margin=torch.stack(margins, 1) if margins else None)
-            estimate_used = fisher.scores() if fisher.has_estimate else None
-            mask = replay_mask(policy, routes, budget, generator=streams["selection"])
+            mask = session.select(routes)
             replayed_logits, _, native_in_replay = model(inputs, replay=Replay(flat_rollout, mask))
+            # What the mask changed, against the native routes of the pass that replayed it.
+            diagnostics_routes = Routes(rollout=flat_rollout, valid=valid, num_experts=cfg.experts, native=native_in_replay)
+            session.count(diagnostics_routes, mask)
             logp_replayed = token_log_probs(replayed_logits, targets)[:, response]
             logp_old = logp_replayed
             if native_pass is not None and cfg.mismatch_native_old_pass:
                 logp_old = token_log_probs(native_pass[0], targets)[:, response]
             response_log_probs = replayed_logits[:, response].log_softmax(-1)
             entropy = -(response_log_probs.exp() * response_log_probs).sum(-1).mean()
-        probed: dict[str, float] = {}
-        if probes and is_probed(step, cell.probe_every):
-            probed = score_probes(
-                model, StepBatch(inputs, targets, response, flat_rollout, valid, offsets, rollout.log_probs), probes,
-                None if native_pass is None else native_pass[2], seed=cell.seed, step=step, num_experts=cfg.experts,
-                extreme_threshold=cfg.extreme_threshold,
-            )
+        if session.probed:
+            score_probes(session, model, StepBatch(inputs, targets, response, flat_rollout, valid, offsets,
+                                                   rollout.log_probs),
+                         None if native_pass is None else native_pass[2], num_experts=cfg.experts,
+                         extreme_threshold=cfg.extreme_threshold)
 
         correction: dict[str, float] = {"train/is_weight_mean": math.nan, "train/is_truncated_frac": math.nan}
         weights = None
@@ -540,17 +527,12 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
             fisher.accumulate(*probe.sq_grads(valid[tokens], scale=float((rows.stop - rows.start) * response_len)))
             for key, value in zip(totals, (loss.detach(), grad_norm, clip_frac, clip_frac_lower)):
                 totals[key] += float(value) / len(updates)
-        fisher.step()
+        record = session.close_step()  # replay/, routing/ and probe keys; one step of the Fisher estimate
         history.append(snapshot(model))
         engine.sync(history[0])
 
         with torch.no_grad():
-            diagnostics_routes = Routes(rollout=flat_rollout, valid=valid, num_experts=cfg.experts, native=native_in_replay)
-            record = route_diagnostics(
-                diagnostics_routes, mask, budget, fisher_scores=estimate_used,
-                fisher_fallback=bool(policy.info.get("fisher_fallback", 0.0)),
-                fisher_nonfinite=fisher.nonfinite_last_step,
-            )
+            record.update(load_metrics(expert_load(diagnostics_routes, mask)))
             record.update(mismatch_metrics(
                 logp_replayed, rollout.log_probs, torch.ones_like(logp_replayed, dtype=torch.bool),
                 extreme_threshold=cfg.extreme_threshold,
@@ -566,7 +548,6 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
             "train/task_shifted": float(shifted),
             "train/entropy": float(entropy),
         })
-        record.update(probed)
         log_step(step, record)
     return model
 

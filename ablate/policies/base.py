@@ -77,6 +77,16 @@ class ReplayPolicy(ABC):
         self.per_layer = bool(per_layer)
         self.info: dict[str, float] = {}
 
+    @classmethod
+    def resolve_budget(cls, budget: object) -> float:
+        """The budget this policy replays at ``budget``, or a :class:`~ablate.budget.BudgetError`.
+
+        The one place a budget is settled (:func:`ablate.budget.check_budget`'s rule): a fraction in
+        [0, 1]; for a policy with a budget by definition (:attr:`fixed_budget`), that budget, which
+        ``None`` resolves to and any other value contradicts.
+        """
+        return check_budget(budget, getattr(cls, "name", None), fixed=cls.fixed_budget)
+
     def select(
         self, routes: Routes, budget: float | None = None, *, generator: Generators = None, per_sequence: bool = False
     ) -> Tensor:
@@ -100,7 +110,7 @@ class ReplayPolicy(ABC):
 
         Same inputs and generator states give the same mask, bit for bit.
         """
-        budget = check_budget(budget, self.name, fixed=self.fixed_budget)
+        budget = self.resolve_budget(budget)
         self.info = {}
         generators = self._generators(generator, routes, per_sequence)
         empty = torch.zeros(routes.num_tokens, routes.num_layers, dtype=torch.bool, device=routes.device)
@@ -205,7 +215,7 @@ def replay_mask(policy: ReplayPolicy, routes: Routes, budget: float | None = Non
     routes (in each sequence with ``per_sequence``; in each layer with ``per_layer`` over the
     batch). Anything else raises :class:`BudgetViolation` naming the policy, the budget and the count.
     """
-    budget = check_budget(budget, policy.name, fixed=policy.fixed_budget)
+    budget = policy.resolve_budget(budget)
     mask = policy.select(routes, budget, generator=generator, per_sequence=per_sequence)
     where = f"policy={policy.name} ({type(policy).__qualname__}) at budget={budget:g}"
     shape = (routes.num_tokens, routes.num_layers)

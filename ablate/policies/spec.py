@@ -10,8 +10,7 @@ the modules to import first (``plugins``), so a policy of the user's own is foun
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from ablate.fisher import FisherTracker
@@ -56,13 +55,6 @@ class PolicySpec:
         if self.policy_class.reads_fisher:
             settings["fisher"] = tracker
         return get_policy(self.name, **settings)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> PolicySpec:
-        return cls.from_dict(json.loads(text))
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> PolicySpec:

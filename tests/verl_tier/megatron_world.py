@@ -374,7 +374,8 @@ def run(rank: int, layout: Layout, port: int, policies: list[tuple[str, float, d
     from megatron.core import parallel_state as mpu
 
     from ablate.backends.verl import engines
-    from ablate.backends.verl.hook import HookSettings, ReplayMaskHook
+    from ablate.backends.verl.hook_settings import HookSettings
+    from ablate.replay import ReplaySpec
     from ablate.policies import PolicySpec
     from worlds import training_steps
 
@@ -390,7 +391,7 @@ def run(rank: int, layout: Layout, port: int, policies: list[tuple[str, float, d
     results = {}
     for policy, budget, settings in policies:
         chunks = build_chunks(layout, config)
-        engines.install(ReplayMaskHook(HookSettings(PolicySpec(policy, settings), budget, seed=5)))
+        engines.install(HookSettings(ReplaySpec(PolicySpec(policy, settings), budget, seed=5)).make_hook())
         results[policy] = training_steps(functools.partial(run_call, layout, config, chunks), mine)
         engines.uninstall()
     if rank == 0:

@@ -46,13 +46,14 @@ def router_model():
 
 def hook_installer():
     from ablate.backends.verl import engines
-    from ablate.backends.verl.hook import HookSettings, ReplayMaskHook
+    from ablate.backends.verl.hook_settings import HookSettings
     from ablate.policies import PolicySpec
+    from ablate.replay import ReplaySpec
 
     def make(policy, budget, seed=0, **settings):
         spec = PolicySpec(policy, {k: v for k, v in settings.items() if k != "decay"},
                           fisher_decay=settings.get("decay", 0.9))
-        return engines.install(ReplayMaskHook(HookSettings(spec, budget, seed)))
+        return engines.install(HookSettings(ReplaySpec(spec, budget, seed)).make_hook())
 
     yield make
     engines.uninstall()

@@ -16,7 +16,8 @@ import pytest
 
 pytest.importorskip("verl.protocol", reason="verl 0.9.1 is not installed here: build it with .ci/verl-env.sh")
 
-from ablate.backends.verl.hook import HookSettings  # noqa: E402
+from ablate.backends.verl.hook_settings import HookSettings  # noqa: E402
+from ablate.replay import ReplaySpec  # noqa: E402
 from ablate.backends.verl.launch import (  # noqa: E402
     ENV_PREFIX,
     VerlLaunchError,
@@ -38,7 +39,7 @@ MODEL = ["actor_rollout_ref.model.path=/tmp/unused"]
 
 
 def settings_for(policy, budget, extra, seed=3) -> HookSettings:
-    return HookSettings(PolicySpec(policy, extra, fisher_decay=0.8, fisher_normalize="layer"), budget, seed)
+    return HookSettings(ReplaySpec(PolicySpec(policy, extra, fisher_decay=0.8, fisher_normalize="layer"), budget, seed))
 
 
 def composed(settings: HookSettings, *extra: str):
@@ -249,7 +250,7 @@ def test_the_hook_installs_itself_only_with_an_r3_megatron_actor():
 
 # ----------------------------------------------------------------------------- the VeOmni engine
 def veomni_settings(policy="random", budget=0.3, seed=4) -> HookSettings:
-    return HookSettings(PolicySpec(policy), budget, seed, engine="veomni")
+    return HookSettings(ReplaySpec(PolicySpec(policy), budget, seed), engine="veomni")
 
 
 @pytest.mark.parametrize("policy,budget,extra", POLICIES)
@@ -257,7 +258,7 @@ def test_a_veomni_cell_sets_verls_own_veomni_keys_and_passes_verls_validation(po
     from verl.utils.config import validate_config
     from verl.workers.config import VeOmniActorConfig
 
-    settings = HookSettings(PolicySpec(policy, extra), budget, 4, engine="veomni")
+    settings = HookSettings(ReplaySpec(PolicySpec(policy, extra), budget, 4), engine="veomni")
     config = composed(settings)
     actor = config.actor_rollout_ref.actor
     assert actor.strategy == "veomni" and actor.veomni.router_replay.mode == "R3" and actor.veomni.seed == 4
@@ -284,7 +285,7 @@ def test_a_veomni_cell_sets_verls_own_veomni_keys_and_passes_verls_validation(po
      "ulysses_parallel_size=2 with attn_implementation=flash_attention_2: VeOmni's Ulysses sequence parallelism needs"),
 ])
 def test_what_an_engine_would_refuse_later_is_refused_in_one_line(engine, override, message):
-    config = composed(HookSettings(PolicySpec("random"), 0.3, 4, engine=engine), override)
+    config = composed(HookSettings(ReplaySpec(PolicySpec("random"), 0.3, 4), engine=engine), override)
     with pytest.raises(VerlLaunchError, match=message) as raised:
         check_cell_config(config, "random", engine=engine)
     assert "\n" not in str(raised.value)

@@ -33,13 +33,14 @@ PROBES = "none,full,random@0.5,mismatch@0.5"
 @pytest.fixture()
 def hooked():
     from ablate.backends.verl import engines
-    from ablate.backends.verl.hook import HookSettings, ReplayMaskHook
+    from ablate.backends.verl.hook_settings import HookSettings
     from ablate.policies import PolicySpec
+    from ablate.replay import ReplaySpec
 
     def make(policy, budget, probes=PROBES, probe_every=1, seed=3):
-        settings = HookSettings(PolicySpec(policy), budget, seed, probes=parse_probes(probes.split(",") if probes else []),
-                                probe_every=probe_every)
-        return engines.install(ReplayMaskHook(settings))
+        settings = HookSettings(ReplaySpec(PolicySpec(policy), budget, seed,
+                                           parse_probes(probes.split(",") if probes else []), probe_every))
+        return engines.install(settings.make_hook())
 
     yield make
     engines.uninstall()
@@ -218,11 +219,12 @@ def test_a_batch_without_rollout_log_probs_is_one_clear_error(routers, hooked, s
 
 
 def test_hook_settings_carry_probes_through_json():
-    from ablate.backends.verl.hook import HookSettings
+    from ablate.backends.verl.hook_settings import HookSettings
     from ablate.policies import PolicySpec
+    from ablate.replay import ReplaySpec
 
-    settings = HookSettings(PolicySpec("random"), 0.5, 1, probes=parse_probes(["none", "fisher@0.25:tau=1.0"]),
-                            probe_every=3)
+    settings = HookSettings(ReplaySpec(PolicySpec("random"), 0.5, 1, parse_probes(["none", "fisher@0.25:tau=1.0"]),
+                                       probe_every=3))
     assert HookSettings.from_json(settings.to_json()) == settings
 
 

@@ -37,11 +37,12 @@ hooked = pytest.fixture()(hook_installer)
 
 def expected_mask(hook, recorded, valid, offsets, native=None, margin=None):
     """The mask the hook's own settings select, computed apart with a freshly built policy."""
-    from ablate.backends.verl.selection import select_micro_batch
+    from ablate.replay import ReplaySession
+    from ablate.replay.batch import select_micro_batch
 
-    policy, _ = hook.settings.policy.build(NUM_LAYERS, NUM_EXPERTS)
+    session = ReplaySession(hook.spec, NUM_LAYERS, NUM_EXPERTS, TOPK)
     has_native = None if native is None else torch.ones(recorded.shape[0], dtype=torch.bool)
-    return select_micro_batch(policy, hook.budget, hook.settings.seed, recorded, valid, offsets, NUM_EXPERTS,
+    return select_micro_batch(session, recorded, valid, offsets, NUM_EXPERTS,
                               native=native, has_native=has_native, native_margin=margin).mask
 
 
@@ -110,7 +111,7 @@ def test_masked_routes_replay_recorded_and_unmasked_routes_stay_native(routers, 
     bounds = input_ids.offsets().tolist()
     per_sequence = [int(valid[start:end].sum()) * NUM_LAYERS for start, end in zip(bounds[:-1], bounds[1:])]
     assert metrics["replay/valid_routes"] == sum(per_sequence)
-    assert metrics["replay/replayed_routes"] == sum(count_for(hook.budget, n) for n in per_sequence) == int(mask.sum())
+    assert metrics["replay/replayed_routes"] == sum(count_for(hook.spec.budget, n) for n in per_sequence) == int(mask.sum())
     assert metrics["replay/unrecorded_routes"] == 0
     assert metrics["routing/route_mismatch_rate"] > 0
 
@@ -236,8 +237,8 @@ def test_selection_skips_dense_columns_and_unrecorded_routes():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from ablate.backends.verl.engines.megatron import layer_columns
-    from ablate.backends.verl.selection import recorded_routes, select_micro_batch
-    from ablate.policies import get_policy
+    from ablate.replay import ReplaySession, ReplaySpec
+    from ablate.replay.batch import recorded_routes, select_micro_batch
 
     config = TransformerConfig(num_layers=4, hidden_size=16, num_attention_heads=2, num_moe_experts=NUM_EXPERTS,
                                moe_router_topk=TOPK, moe_layer_freq=[0, 1, 1, 1])
@@ -248,8 +249,8 @@ def test_selection_skips_dense_columns_and_unrecorded_routes():
     moe = routes[:, [1, 2, 3]]
     assert recorded_routes(moe, NUM_EXPERTS).tolist() == [[True] * 3, [False, True, True], [False] * 3,
                                                           [False, True, True]]  # duplicate, zeros, id 8 of 8
-    selection = select_micro_batch(get_policy("full"), 1.0, 0, moe, torch.ones(4, dtype=torch.bool),
-                                   torch.tensor([0, 2, 4]), NUM_EXPERTS)
+    session = ReplaySession(ReplaySpec.of("full"), 3, NUM_EXPERTS, TOPK)
+    selection = select_micro_batch(session, moe, torch.ones(4, dtype=torch.bool), torch.tensor([0, 2, 4]), NUM_EXPERTS)
     assert selection.valid.tolist() == [True, False, False, False]
     assert selection.mask.tolist() == [[True] * 3, [False] * 3, [False] * 3, [False] * 3]
     assert selection.unrecorded == 5

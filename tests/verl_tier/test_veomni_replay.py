@@ -58,18 +58,18 @@ def recorded() -> dict[tuple[int, int], tuple[int, ...] | None]:
 
 def expected_masks(policy: str, budget: float | None) -> dict[tuple[int, int], bool]:
     """The mask the hook's settings select for every (row, layer), selected again apart from the hook."""
-    from ablate.backends.verl.selection import select_micro_batch
     from ablate.policies import PolicySpec
+    from ablate.replay import ReplaySession, ReplaySpec
+    from ablate.replay.batch import select_micro_batch
 
     spec = PolicySpec(policy)
     chosen, budget = {}, spec.policy_class.fixed_budget if spec.policy_class.fixed_budget is not None else budget
     for index in range(len(world.MICRO_BATCHES)):
         batch = world.micro_batch(index)
         routes = batch["routed_experts"]
-        policy_object, _ = spec.build(world.NUM_LAYERS, world.NUM_EXPERTS)
+        session = ReplaySession(ReplaySpec(spec, budget, 5), world.NUM_LAYERS, world.NUM_EXPERTS, world.TOPK)
         every = torch.ones(routes.values().shape[0], dtype=torch.bool)
-        mask = select_micro_batch(policy_object, budget, 5, routes.values(), every, routes.offsets(),
-                                  world.NUM_EXPERTS).mask
+        mask = select_micro_batch(session, routes.values(), every, routes.offsets(), world.NUM_EXPERTS).mask
         for row, flags in zip(batch["input_ids"].values().tolist(), mask.tolist()):
             chosen.update(((row, layer), flag) for layer, flag in enumerate(flags))
     return chosen

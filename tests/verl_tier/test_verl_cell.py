@@ -93,7 +93,7 @@ def test_a_launch_verl_refuses_fails_before_the_cell_is_written(tmp_path):
 
 
 def test_the_hook_settings_carry_the_cell_and_verl_update_epochs(tmp_path):
-    from ablate.backends.verl.hook import HookSettings
+    from ablate.backends.verl.hook_settings import HookSettings
 
     cell = cell_from_config(verl_cell_config(
         tmp_path, "policy=fisher", "budget=0.25", "seed=4", "policy.tau=0.5", "policy.fisher.decay=0.7",
@@ -103,9 +103,9 @@ def test_the_hook_settings_carry_the_cell_and_verl_update_epochs(tmp_path):
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     settings = HookSettings.from_json(OverridesParser.create().parse_override(override).value())
-    assert settings == HookSettings(cell.policy_spec(), 0.25, 4, update_epochs=2, probes=cell.probes, probe_every=3)
-    assert [probe.id for probe in settings.probes] == ["none", "random@0.5"]
-    assert settings.policy.settings == {"per_layer": False, "tau": 0.5} and settings.policy.fisher_decay == 0.7
+    assert settings == HookSettings(cell.replay, update_epochs=2) and cell.replay.probe_every == 3
+    assert [probe.id for probe in settings.replay.probes] == ["none", "random@0.5"]
+    assert settings.replay.policy.settings == {"per_layer": False, "tau": 0.5} and settings.replay.policy.fisher_decay == 0.7
     assert "actor_rollout_ref.rollout.seed=4" in command
     # The variant puts '=' and ',' into the cell name; verl's composition keeps it whole.
     from ablate.backends.verl.backend import default_config_dir

@@ -285,13 +285,14 @@ def run_policy(layout: Layout, policy: str, budget: float | None, settings: dict
                steps: int = 2) -> list[dict]:
     """Two training steps of one policy (:func:`worlds.training_steps`)."""
     from ablate.backends.verl import engines
-    from ablate.backends.verl.hook import HookSettings, ReplayMaskHook
+    from ablate.backends.verl.hook_settings import HookSettings
+    from ablate.replay import ReplaySpec
     from ablate.policies import PolicySpec
 
     from worlds import training_steps
 
     model, engine = build_engine(layout)
-    engines.install(ReplayMaskHook(HookSettings(PolicySpec(policy, settings), budget, seed=5, engine="veomni")))
+    engines.install(HookSettings(ReplaySpec(PolicySpec(policy, settings), budget, seed=5), engine="veomni").make_hook())
     try:
         return training_steps(functools.partial(run_call, layout, engine, model), mine, steps)
     finally:

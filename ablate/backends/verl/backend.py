@@ -25,7 +25,7 @@ from typing import Any
 
 from ablate.backends import RunContext
 from ablate.backends.verl.config import BACKEND
-from ablate.backends.verl.hook import HookSettings
+from ablate.backends.verl.hook_settings import HookSettings
 from ablate.backends.verl.launch import (
     check_cell_config,
     check_engine,
@@ -35,8 +35,7 @@ from ablate.backends.verl.launch import (
     update_epochs,
     verl_overrides,
 )
-from ablate.backends.verl.liveness import check_step
-from ablate.backends.verl.metrics import ACTOR_PREFIX
+from ablate.backends.verl.liveness import ACTOR_PREFIX, check_step
 from ablate.backends.verl.processes import stop_tree
 from ablate.cell import Cell
 from ablate.diagnostics import SCHEMA
@@ -138,8 +137,7 @@ def build_command(cell: Cell, metrics_file: Path, *, launch: bool = True) -> tup
     # Quoted: a settings variant puts '=' and ',' in the name (fisher+tau=0.5-b0.25-s4).
     own = [*cpu, "trainer.logger=[console,file]", f"trainer.experiment_name={hydra_string(cell.name)}",
            *cfg.overrides]
-    settings = HookSettings(policy=cell.policy_spec(), budget=cell.budget, seed=cell.seed, probes=cell.probes,
-                            probe_every=cell.probe_every, engine=engine)
+    settings = HookSettings(cell.replay, engine=engine)
     draft = compose(config_dir, cfg.config_name, [*verl_overrides(settings), *own])
     check_cell_config(draft, cell.policy, cell.plugins, engine=engine)
     settings = dataclasses.replace(settings, update_epochs=update_epochs(draft))

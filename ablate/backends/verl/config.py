@@ -1,4 +1,4 @@
-"""The verl backend as the registry sees it: its settings and its :class:`Backend` object.
+"""The verl backend as the registry sees it: its settings, its training engines and its :class:`Backend` object.
 
 The launch it makes is :mod:`ablate.backends.verl.backend`, imported when a cell runs or is
 checked: composing a config imports this module only (no torch, no verl).
@@ -25,11 +25,50 @@ class VerlCpuConfig:
     assets_dir: Optional[str] = None
 
 
-class VerlEngine(str, Enum):
-    """verl's training engines whose R3 ablate's hook replays through (``ablate/backends/verl/engines``)."""
+#: The verl release the hook is written against. REQUIRED_VERL.txt, at the top of the repository,
+#: declares the same pin in verl-recipe's format (a test keeps the two equal); the constant is
+#: what an installed package, which carries no repository files, checks against.
+VERL_VERSION = "0.9.1"
+#: The VeOmni release the VeOmni engine is run with. verl 0.9.1's own ``veomni-sft`` extra names
+#: 0.1.11, whose Qwen3-MoE modeling (generated against transformers 5.2) fails under the
+#: transformers verl 0.9.1 needs (create_causal_mask() got an unexpected keyword argument
+#: 'cache_position'); 0.1.12's, generated against transformers 5.9, runs.
+VEOMNI_VERSION = "0.1.12"
 
-    megatron = "megatron"
-    veomni = "veomni"
+
+@dataclass(frozen=True)
+class VerlEngineSpec:
+    """One of verl's training engines that ablate replays through: what launch, config and worker need of it."""
+
+    name: str
+    #: verl's ``actor.strategy`` of the engine.
+    strategy: str
+    #: what the refusal of another strategy calls the engine.
+    title: str
+    #: ``module:Class`` of its seam (:class:`ablate.replay.seams.EngineSeam`), imported in verl's actor only.
+    seam: str
+    #: further keys verl's R3 needs on this engine.
+    required: tuple[str, ...] = ()
+
+    @property
+    def mode_key(self) -> str:
+        return f"actor_rollout_ref.actor.{self.strategy}.router_replay.mode"
+
+    @property
+    def seed_key(self) -> str:
+        return f"actor_rollout_ref.actor.{self.strategy}.seed"
+
+
+#: ``backend.engine`` -> its engine: the one table config, launch, the worker and the entry points read.
+#: VeOmni's R3 packs routes like ``input_ids`` without padding.
+ENGINES = {engine.name: engine for engine in (
+    VerlEngineSpec("megatron", "megatron", "Megatron", "ablate.backends.verl.engines.megatron:MegatronSeam"),
+    VerlEngineSpec("veomni", "veomni", "VeOmni (FSDP2)", "ablate.backends.verl.engines.veomni:VeOmniSeam",
+                   required=("actor_rollout_ref.model.use_remove_padding=True",)),
+)}
+
+#: ``backend.engine``'s choices, for Hydra.
+VerlEngine = Enum("VerlEngine", {name: name for name in ENGINES}, type=str)
 
 
 @dataclass
@@ -38,7 +77,7 @@ class VerlConfig(BackendConfig):
 
     name: str = "verl"
     #: verl's training engine (its ``model_engine``): Megatron, or VeOmni (FSDP2).
-    engine: VerlEngine = VerlEngine.megatron
+    engine: VerlEngine = VerlEngine["megatron"]
     config_dir: Optional[str] = None
     config_name: str = "ablate_ppo"
     overrides: list[str] = field(default_factory=list)

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-MEGATRON, VEOMNI, TRAINER = "megatron", "veomni", "trainer"
+from ablate.backends.verl.config import ENGINES, VERL_VERSION
+
+MEGATRON, VEOMNI, TRAINER = ENGINES["megatron"].name, ENGINES["veomni"].name, "trainer"
 
 
 @dataclass(frozen=True)
@@ -115,8 +117,6 @@ def of_engine(engine: str) -> tuple[EntryPoint, ...]:
 
 
 def _missing(point: EntryPoint, problem: str) -> EntryPointMissing:
-    from ablate.backends.verl.launch import VERL_VERSION
-
     return EntryPointMissing(
         f"{point.where} {problem}: ablate's hook replaces it with {point.ablate} and is written against verl "
         f"{VERL_VERSION} (REQUIRED_VERL.txt; every entry point: ablate/backends/verl/entry_points.py)")

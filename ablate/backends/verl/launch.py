@@ -1,6 +1,6 @@
 """From one ablation cell to a verl ``main_ppo`` launch.
 
-Every policy runs R3 with :mod:`ablate.backends.verl.hook` choosing per-(token, layer) masks
+Every policy runs R3 with :mod:`ablate.replay.hook` choosing per-(token, layer) masks
 (``none`` an empty one, ``full`` every recorded route), in the training engine ``backend.engine``
 names (:data:`ENGINES`: verl's ``model_engine`` and that engine's own R3 keys). The hook reaches
 verl's Ray workers through verl's own extension point ``actor_rollout_ref.model.external_lib``;
@@ -19,20 +19,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ablate.backends.verl.config import ENGINES, VEOMNI_VERSION, VERL_VERSION, VerlEngineSpec
 from ablate.backends.verl.cpu import ROLLOUT_NAME as CPU_ROLLOUT_NAME
-from ablate.backends.verl.hook import HookSettings
+from ablate.backends.verl.hook_settings import HookSettings
 from ablate.config import ConfigError
 from ablate.overrides import hydra_string
 
-#: The verl release the hook is written against. REQUIRED_VERL.txt, at the top of the repository,
-#: declares the same pin in verl-recipe's format (a test keeps the two equal); the constant is
-#: what an installed package, which carries no repository files, checks against.
-VERL_VERSION = "0.9.1"
-#: The VeOmni release the VeOmni engine is run with. verl 0.9.1's own ``veomni-sft`` extra names
-#: 0.1.11, whose Qwen3-MoE modeling (generated against transformers 5.2) fails under the
-#: transformers verl 0.9.1 needs (create_causal_mask() got an unexpected keyword argument
-#: 'cache_position'); 0.1.12's, generated against transformers 5.9, runs.
-VEOMNI_VERSION = "0.1.12"
 WORKER_MODULE = "ablate.backends.verl.worker"
 ENV_PREFIX = "+ray_kwargs.ray_init.runtime_env.env_vars."
 ROLLOUT_ROUTES_KEY = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
@@ -45,32 +37,6 @@ REMOVE_PADDING_KEY = "actor_rollout_ref.model.use_remove_padding"
 ROUTE_RECORDING_ROLLOUTS = ("vllm", "sglang", CPU_ROLLOUT_NAME)
 
 
-@dataclass(frozen=True)
-class EngineLaunch:
-    """What a launch sets in verl's config for one training engine (verl's ``model_engine`` group)."""
-
-    name: str
-    #: verl's ``actor.strategy`` of the engine.
-    strategy: str
-    #: what the refusal of another strategy calls the engine.
-    title: str
-    #: further keys verl's R3 needs on this engine.
-    required: tuple[str, ...] = ()
-
-    @property
-    def mode_key(self) -> str:
-        return f"actor_rollout_ref.actor.{self.strategy}.router_replay.mode"
-
-    @property
-    def seed_key(self) -> str:
-        return f"actor_rollout_ref.actor.{self.strategy}.seed"
-
-
-#: ``backend.engine`` -> its launch. VeOmni's R3 packs routes like ``input_ids`` without padding.
-ENGINES = {
-    "megatron": EngineLaunch("megatron", "megatron", "Megatron"),
-    "veomni": EngineLaunch("veomni", "veomni", "VeOmni (FSDP2)", required=(f"{REMOVE_PADDING_KEY}=True",)),
-}
 #: Model families whose VeOmni modeling calls verl's router replay with softmax routing scores
 #: (``veomni.utils.moe_router_replay``, patched ``SparseMoeBlock.forward``), one router per decoder layer.
 VEOMNI_R3_MODELS = ("qwen3_moe", "qwen3_5_moe")
@@ -83,8 +49,8 @@ class VerlLaunchError(ConfigError):
     """
 
 
-def engine_launch(engine) -> EngineLaunch:
-    """The :class:`EngineLaunch` of ``backend.engine`` (a name or :class:`~ablate.backends.verl.config.VerlEngine`)."""
+def engine_launch(engine) -> VerlEngineSpec:
+    """The engine ``backend.engine`` names (a name or :class:`~ablate.backends.verl.config.VerlEngine`)."""
     name = getattr(engine, "value", engine)
     if name not in ENGINES:
         raise VerlLaunchError(f"backend.engine={name}: expected one of {', '.join(ENGINES)}")
@@ -222,7 +188,7 @@ def check_cell_config(config, policy: str, plugins: Sequence[str] = (), probes: 
         )
 
 
-def check_strategy(strategy: str, launch: EngineLaunch, device: str) -> None:
+def check_strategy(strategy: str, launch: VerlEngineSpec, device: str) -> None:
     """The actor's strategy must be the engine ablate launches: the others replay no route."""
     if strategy == launch.strategy and not (launch.name == "megatron" and device == "npu"):
         return

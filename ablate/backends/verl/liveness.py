@@ -10,9 +10,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from ablate.backends.verl.metrics import ACTOR_PREFIX
-from ablate.backends.verl.engines.base import MICRO_BATCHES_KEY
+from ablate.replay.seams import MICRO_BATCHES_KEY
 
+#: verl's prefix of every actor-update metric (``rename_dict(metrics, "actor/")`` in its trainers). The hook
+#: emits each key once per step, from the step's last update call: verl averages each actor metric over the
+#: values it received, so a key emitted once reaches the trainer's logger unchanged, as ``actor/<key>``.
+ACTOR_PREFIX = "actor/"
 SEEN_KEY = ACTOR_PREFIX + MICRO_BATCHES_KEY
 
 

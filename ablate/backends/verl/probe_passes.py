@@ -19,34 +19,11 @@ the cell's ``mismatch/`` keys bit for bit, not only up to rounding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from ablate.backends.verl import counters
 from ablate.diagnostics.metrics import mismatch_metrics
-from ablate.policies import ReplayPolicy
-from ablate.probes import Probe, probe_generator
-
-
-@dataclass(frozen=True)
-class ProbeRun:
-    """One probe at one step: its policy object and the seed of its per-sequence generators.
-
-    The seed is drawn from :func:`ablate.probes.probe_generator` (cell seed, step, probe id), and
-    every sequence's generator from it and the sequence's content (``selection.sequence_generators``),
-    so a probe's mask depends on neither the micro-batching, the other probes nor the cell's mask.
-    """
-
-    probe: Probe
-    policy: ReplayPolicy
-    seed: int
-
-
-def probe_run(probe: Probe, policy: ReplayPolicy, seed: int, step: int) -> ProbeRun:
-    draw = torch.randint(0, 2**62, (1,), generator=probe_generator(seed, step, probe.id))
-    return ProbeRun(probe=probe, policy=policy, seed=int(draw))
+from ablate.replay import ranks
 
 
 def response_log_probs(output, data) -> tuple[Tensor, Tensor]:
@@ -93,7 +70,7 @@ def probe_mismatch(output, data, has_outputs: bool) -> dict[str, float]:
     check_probe_batch(data)
     empty = torch.zeros(0, dtype=torch.float32)
     train, rollout = response_log_probs(output, data) if has_outputs else (empty, empty)
-    train, rollout = counters.gather_over_world(train), counters.gather_over_world(rollout)
+    train, rollout = ranks.gather_over_world(train), ranks.gather_over_world(rollout)
     if train.numel() == 0:
         return {}
     return mismatch_metrics(train, rollout, torch.ones_like(train, dtype=torch.bool))

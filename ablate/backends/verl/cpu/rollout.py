@@ -28,7 +28,7 @@ from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from ablate.backends.verl.cpu import ROUTER_NOISE_ENV
-from ablate.seeding import keyed_seed
+from ablate.seeding import stream_seed
 
 _EXPERT_WEIGHT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
@@ -38,8 +38,8 @@ def server_name(replica_rank: int) -> str:
 
 
 def request_seed(seed: int, global_steps, request_id: str) -> int:
-    """A request's own seed: a stable hash of the rollout seed, the step and the request id."""
-    return keyed_seed(f"{int(seed)}|{global_steps}|{request_id}")
+    """A request's own seed, the stream of the rollout seed, the step (None before the first) and the request id."""
+    return stream_seed(int(seed), "rollout-request", str(global_steps), request_id)
 
 
 class NoisyRouters:

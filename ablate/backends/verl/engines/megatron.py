@@ -33,7 +33,7 @@ verl's Megatron engine before verl itself does.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,14 +42,9 @@ from torch import Tensor
 
 from ablate.backends.verl import entry_points as ep
 from ablate.backends.verl.engines.base import arm as arm_engine
-from ablate.backends.verl.engines.base import (
-    CallInfo,
-    EngineSeam,
-    LayerTargets,
-    hooked_call,
-    r3_call,
-    split_augmented,
-)
+from ablate.backends.verl.engines.base import hooked_call, r3_call
+from ablate.replay import ranks
+from ablate.replay.seams import CallInfo, EngineSeam, LayerTargets, split_augmented
 
 ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
 _REPLAY = "verl.utils.megatron.router_replay_patch"
@@ -111,13 +106,11 @@ class MegatronSeam(EngineSeam):
         return r3_call(data, forward_only, num_experts=tf_config.num_moe_experts,
                        layer_columns=lambda layers: layer_columns(tf_config, layers))
 
-    def counting_rank(self, router_layer_numbers: list[int], info: CallInfo) -> bool:
-        """True on the one rank and chunk of a model-parallel group that counts a micro-batch."""
-        from ablate.backends.verl.counters import distributed
-
-        if first_moe_layer(info) not in router_layer_numbers:
+    def counting_rank(self, info: CallInfo, layers: Sequence[int]) -> bool:
+        """The rank with TP and CP rank 0 whose model chunk holds the first MoE layer."""
+        if first_moe_layer(info) not in layers:
             return False
-        if not distributed():
+        if not ranks.distributed():
             return True
         from megatron.core import parallel_state as mpu
 
@@ -125,14 +118,12 @@ class MegatronSeam(EngineSeam):
 
     def assemble(self, parts: Tensor) -> Tensor:
         """Sum of a tensor whose entries each rank of TP x CP x PP wrote disjointly (zeros elsewhere)."""
-        from ablate.backends.verl.counters import distributed, sum_disjoint
-
-        if not distributed():
+        if not ranks.distributed():
             return parts
         from megatron.core import parallel_state as mpu
 
         groups = (mpu.get_tensor_and_context_parallel_group(), mpu.get_pipeline_model_parallel_group())
-        return sum_disjoint(parts, groups)
+        return ranks.sum_disjoint(parts, groups)
 
     def end_pass(self) -> None:
         self._targets.clear()
@@ -206,7 +197,7 @@ class MegatronSeam(EngineSeam):
         for number, replay in routers:
             column = info.layer_columns[number - 1]
             self._routers[id(replay)] = _Router(replay, column, info.moe_layer(column))
-        counted = self.counting_rank([number for number, _ in routers], info)
+        counted = self.counting_rank(info, [number for number, _ in routers])
         augmented = hook.augmented_routes(vp_rank or 0, rollout, replay_mask.values(), offsets, counted=counted)
         packed = torch.nested.nested_tensor_from_jagged(augmented, offsets=offsets)
         with self._splitting_targets(info.topk):

@@ -34,7 +34,7 @@ rank routes its own tokens.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,14 +42,9 @@ from torch import Tensor
 
 from ablate.backends.verl import entry_points as ep
 from ablate.backends.verl.engines.base import arm as arm_engine
-from ablate.backends.verl.engines.base import (
-    CallInfo,
-    EngineSeam,
-    LayerTargets,
-    hooked_call,
-    r3_call,
-    split_layers,
-)
+from ablate.backends.verl.engines.base import hooked_call, r3_call
+from ablate.replay import ranks
+from ablate.replay.seams import CallInfo, EngineSeam, LayerTargets, split_layers
 
 ENGINE_MODULE = "verl.workers.engine.veomni.transformer_impl"
 _REPLAY = "verl.utils.veomni.router_replay"
@@ -94,11 +89,9 @@ class VeOmniSeam(EngineSeam):
         return r3_call(data, forward_only, num_experts=config.num_experts,
                        layer_columns=lambda layers: tuple(range(layers)))
 
-    def counting_rank(self) -> bool:
-        """True on the rank of a sequence-parallel group that counts a micro-batch (SP rank 0)."""
-        from ablate.backends.verl.counters import distributed
-
-        if not distributed():
+    def counting_rank(self, info: CallInfo, layers: Sequence[int]) -> bool:
+        """SP rank 0 of a sequence-parallel group (every rank holds every layer)."""
+        if not ranks.distributed():
             return True
         from veomni.distributed.parallel_state import get_parallel_state
 
@@ -107,18 +100,14 @@ class VeOmniSeam(EngineSeam):
 
     def assemble(self, parts: Tensor) -> Tensor:
         """Sum over the sequence-parallel group of entries each of its ranks wrote disjointly."""
-        from ablate.backends.verl.counters import distributed
-
-        if not distributed():
+        if not ranks.distributed():
             return parts
         from veomni.distributed.parallel_state import get_parallel_state
 
         state = get_parallel_state()
         if not state.sp_enabled:
             return parts
-        from ablate.backends.verl.counters import sum_disjoint
-
-        return sum_disjoint(parts, (state.sp_group,))
+        return ranks.sum_disjoint(parts, (state.sp_group,))
 
     def end_pass(self) -> None:
         self._layers = []
@@ -162,7 +151,8 @@ class VeOmniSeam(EngineSeam):
             return original(engine, micro_batch, output_args)
         rollout, offsets = routes.values(), routes.offsets()
         every_token = torch.ones(rollout.shape[0], dtype=torch.bool, device=rollout.device)
-        augmented = hook.augmented_routes(0, rollout, every_token, offsets, counted=self.counting_rank())
+        layers = range(1, len(info.layer_columns) + 1)
+        augmented = hook.augmented_routes(0, rollout, every_token, offsets, counted=self.counting_rank(info, layers))
         batch = micro_batch.copy()
         batch["routed_experts"] = torch.nested.nested_tensor_from_jagged(augmented, offsets=offsets)
         with self._splitting_targets(info.topk):

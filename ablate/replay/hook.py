@@ -1,87 +1,45 @@
-"""Per-(token, layer) replay masks inside verl's R3: the hook's state over calls and steps.
+"""Per-(token, layer) replay masks inside a training engine: the hook's state over calls and steps.
 
 One training step of verl is an old-log-prob pass (one ``forward_backward_batch`` call with
 ``forward_only``; bypass mode skips it), then one update call per mini-batch and epoch. A call
 runs micro-batches, and each micro-batch reaches the hook once per model chunk of a rank, in
-micro-batch order. The hook knows no training engine: the engine's seam (:mod:`.engines`) frames
-its calls, hands it each micro-batch's routes and each router's native top-k, and applies its
-masks. The hook:
+micro-batch order. The hook knows no training engine: the engine's seam
+(:class:`ablate.replay.seams.EngineSeam`) frames its calls, hands it each micro-batch's routes and
+each router's native top-k, and applies its masks. The hook drives the cell's
+:class:`~ablate.replay.ReplaySession`:
 
-- selects a mask for each micro-batch (:mod:`.selection`) and hands it to the seam, which sends
-  it through the engine's own packing; the old-log-prob pass and every update pass replay the
-  same mask, so the PPO ratio starts at 1 for every policy;
+- selects a mask for each micro-batch through the session (:mod:`.batch`) and hands it to the seam,
+  which sends it through the engine's own packing; the old-log-prob pass and every update pass
+  replay the same mask, so the PPO ratio starts at 1 for every policy;
 - writes the native routes its routers computed into one buffer per call, assembled over the
   ranks that split a micro-batch's routes at the end of the call (the seam's rank layout). ``mismatch`` selects on native
   routes: the step's old-log-prob call first runs one more forward that replays nothing (a
-  *native pass*, whose output verl never sees), and keeps its native routes, per sequence, for
-  the replayed old-log-prob pass and the update passes;
-- counts each micro-batch on one rank of its model-parallel group, pools the counts over the
-  step's update calls and, at the step's last update call, sums them over the world and returns
-  the step's ``replay/`` and ``routing/`` keys (:mod:`.metrics`); the Fisher estimate closes its
-  step there too;
+  *native pass*, whose output the engine's caller never sees), and keeps its native routes, per
+  sequence, for the replayed old-log-prob pass and the update passes;
+- counts each micro-batch on one rank of its model-parallel group into the session, which at the
+  step's last update call sums the step's counts over the world and returns the step's
+  ``replay/`` and ``routing/`` keys; the Fisher estimate closes its step there too;
 - on a probed step (``probes``, ``probe_every``: docs/probes.md) runs one more forward-only pass
-  per probe in the old-log-prob call, after the pass verl gets, with the probe's own mask
-  (:mod:`.probe_passes`); its counts and ``mismatch/`` keys join the step's keys as ``probe/<id>/...``.
+  per probe in the old-log-prob call, after the pass the engine's caller gets, with the probe's own mask;
+  its counts and ``mismatch/`` keys join the step's keys as ``probe/<id>/...``.
 """
 
 from __future__ import annotations
 
 import bisect
-import json
-import os
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from ablate.backends.verl import counters
-from ablate.backends.verl.engines import seam_for
-from ablate.backends.verl.engines.base import MICRO_BATCHES_KEY, CallInfo, augment_routes
-from ablate.backends.verl.metrics import step_metrics
-from ablate.backends.verl.probe_passes import ProbeRun, probe_run
-from ablate.backends.verl.selection import MicroBatchSelection, select_micro_batch, sequence_keys
-from ablate.budget import check_budget
-from ablate.diagnostics.metrics import ROUTE_COUNTS
-from ablate.policies import NoReplay, PolicySpec, ReplayPolicy
-from ablate.probes import Probe, is_probed, probe_record
+from ablate.probes import is_probed
+from ablate.replay import ranks
+from ablate.replay.batch import MicroBatchSelection, counted_routes, select_micro_batch, sequence_keys
+from ablate.replay.seams import MICRO_BATCHES_KEY, CallInfo, EngineSeam, augment_routes
+from ablate.replay.session import ProbeRun, ReplaySession, new_counts
+from ablate.replay.spec import ReplaySpec
 from ablate.routes import native_margin
-
-#: Sums pooled over a step and the world: the shared route counts and the fallback flag.
-STEP_COUNTS = (*ROUTE_COUNTS, "fisher_fallback")
-
-
-@dataclass(frozen=True)
-class HookSettings:
-    """What a verl worker needs to replay one cell's routes, sent as one JSON environment variable.
-
-    ``update_epochs`` is the run's ``actor.ppo_epochs``: each update epoch counts every route once.
-    ``probes`` are scored on the hook's steps 0, ``probe_every``, ... (the step's first call is 0).
-    ``engine`` is the training engine whose seam the hook installs in (:mod:`.engines`).
-    """
-
-    ENV = "ABLATE_VERL_CELL"
-
-    policy: PolicySpec
-    budget: float
-    seed: int
-    update_epochs: int = 1
-    probes: tuple[Probe, ...] = ()
-    probe_every: int = 1
-    engine: str = "megatron"
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> HookSettings:
-        fields = json.loads(text)
-        probes = tuple(Probe(**row) for row in fields.get("probes", ()))
-        return cls(**{**fields, "policy": PolicySpec.from_dict(fields["policy"]), "probes": probes})
-
-    @classmethod
-    def from_env(cls) -> HookSettings | None:
-        text = os.environ.get(cls.ENV)
-        return None if text is None else cls.from_json(text)
 
 
 @dataclass
@@ -173,35 +131,40 @@ class _KeptNative:
 
 
 class ReplayMaskHook:
-    """Chooses per-(token, layer) replay masks for verl's R3 and measures what replay changed."""
+    """Chooses per-(token, layer) replay masks inside a training engine and measures what replay changed.
 
-    def __init__(self, settings: HookSettings) -> None:
-        self.settings = settings
-        #: what the hook needs from the training engine (:class:`.engines.base.EngineSeam`).
-        self.seam = seam_for(settings.engine, self)
-        policy = settings.policy.policy_class
-        self.needs_native = policy.needs_native_routes
-        self._probes_need_native = any(
-            PolicySpec(probe.policy, plugins=settings.policy.plugins).policy_class.needs_native_routes
-            for probe in settings.probes)
-        self.budget = check_budget(settings.budget, settings.policy.name, fixed=policy.fixed_budget)
-        self.policy = self.tracker = None
-        self._no_replay = NoReplay()  # a native pass replays nothing
+    ``seam`` builds the engine's seam for this hook; ``update_epochs`` is how many update passes
+    the engine makes over each sequence of a step (verl's ``ppo_epochs``): each counts every route once.
+    """
+
+    def __init__(self, spec: ReplaySpec, seam: Callable[[ReplayMaskHook], EngineSeam], *, update_epochs: int = 1) -> None:
+        self.spec, self.update_epochs = spec, update_epochs
+        #: what the hook needs from the training engine.
+        self.seam = seam(self)
+        self.needs_native = spec.policy_class.needs_native_routes
+        self._probes_need_native = any(spec.probe_spec(probe).policy_class.needs_native_routes for probe in spec.probes)
+        #: the cell's session, built at the first call, once the model's layers and experts are known.
+        self.session: ReplaySession | None = None
         self._call: _Call | None = None
         #: each sequence's native routes of the step's native pass: its micro-batch's, and its rows there.
         self._native_routes: dict[bytes, tuple[_KeptNative, int, int]] = {}
-        self._probe_policies: list[tuple[Probe, ReplayPolicy]] | None = None
-        self.step = 0  # the hook's own count of training steps: the one probe_every reads
         self._reset_step()
 
+    @property
+    def tracker(self):
+        """The session's Fisher tracker (None before the first call)."""
+        return None if self.session is None else self.session.tracker
+
+    @property
+    def step(self) -> int:
+        """The hook's own count of training steps: the one ``probe_every`` reads."""
+        return 0 if self.session is None else self.session.step
+
     def _reset_step(self) -> None:
-        self.step_counts = dict.fromkeys(STEP_COUNTS, 0.0)
         self.step_micro_batches = 0
-        self._fisher_sums = self._fisher_counts = self._fisher_skipped = None
         self._native_routes.clear()
         self._native_pass_done = False
         self._old_log_prob_seen = False
-        self.probe_keys: dict[str, float] = {}
 
     # ------------------------------------------------------------------------------ calls
     def needs_native_pass(self, info: CallInfo) -> bool:
@@ -218,8 +181,8 @@ class ReplayMaskHook:
 
     def _probing(self, info: CallInfo) -> bool:
         """Whether this call is a probed step's old-log-prob call (its first forward-only call)."""
-        return (bool(self.settings.probes) and info.forward_only and not self._old_log_prob_seen
-                and is_probed(self.step, self.settings.probe_every))
+        return (bool(self.spec.probes) and info.forward_only and not self._old_log_prob_seen
+                and is_probed(self.step, self.spec.probe_every))
 
     def probe_runs(self, info: CallInfo) -> list[ProbeRun]:
         """The probe passes to run after this call's pass: one per probe on a probed step's old-log-prob call.
@@ -231,27 +194,18 @@ class ReplayMaskHook:
             self._old_log_prob_seen = True
         if not probing:
             return []
-        if self._probe_policies is None:
-            spec = self.settings.policy
-            self._probe_policies = [
-                (probe, PolicySpec(probe.policy, dict(probe.settings), plugins=spec.plugins).policy_reading(self.tracker))
-                for probe in self.settings.probes
-            ]
-        return [probe_run(probe, policy, self.settings.seed, self.step) for probe, policy in self._probe_policies]
+        return self.session.probes()
 
-    def add_probe(self, run: ProbeRun, counts: dict[str, float], mismatch: dict[str, float]) -> None:
+    def add_probe(self, run: ProbeRun, counts: Mapping[str, float], mismatch: Mapping[str, float]) -> None:
         """One probe's keys of this step, from its world-summed route counts and its ``mismatch/`` keys."""
-        replay = step_metrics(counts, run.probe.budget, self._topk, fisher_fallback=False, fisher_nonfinite=0,
-                              update_epochs=1)
-        self.probe_keys.update(probe_record(run.probe.id, {**mismatch, **replay}))
+        self.session.add_probe(run.probe, counts, mismatch)
 
     def begin_call(self, info: CallInfo, *, native_pass: bool = False, probe: ProbeRun | None = None) -> None:
-        if self.policy is None:
-            self.policy, self.tracker = self.settings.policy.build(len(info.moe_columns), info.num_experts)
-            self._topk = info.topk
+        if self.session is None:
+            self.session = ReplaySession(self.spec, len(info.moe_columns), info.num_experts, info.topk)
         native = torch.zeros(info.route_layers, info.num_tokens, info.topk, dtype=torch.int16,
-                             device=counters.collective_device())
-        margin = (torch.zeros(info.route_layers, info.num_tokens, device=counters.collective_device())
+                             device=ranks.collective_device())
+        margin = (torch.zeros(info.route_layers, info.num_tokens, device=ranks.collective_device())
                   if native_pass else None)
         self._call = _Call(info=info, native=native, native_pass=native_pass, native_margin=margin, probe=probe)
 
@@ -272,21 +226,20 @@ class ReplayMaskHook:
         if call.info.forward_only and call.probe is None:
             return None
         native = self.seam.assemble(call.native)
-        counts = dict.fromkeys(ROUTE_COUNTS, 0.0) if call.probe is not None else self.step_counts
+        counts = new_counts() if call.probe is not None else None
         for index in call.counted:
-            self._count(counts, call.selections[index], call.token_major(native, index, minus=1))
-        if call.probe is not None:  # a probe pass: its counts, summed over the world, for add_probe
-            return counters.sum_counts_over_world(counts)
+            selection = call.selections[index]
+            routes = counted_routes(selection, call.token_major(native, index, minus=1), self.session.num_experts)
+            self.session.count(routes, selection.mask, unrecorded=selection.unrecorded, into=counts)
+        if counts is not None:  # a probe pass: its counts, summed over the world, for add_probe
+            names = sorted(counts)
+            return dict(zip(names, ranks.sum_over_world(torch.tensor([counts[k] for k in names],
+                                                                     dtype=torch.float64)).tolist()))
         return self._close_step() if call.info.last_update else None
 
     def _close_step(self) -> dict[str, float]:
-        totals = counters.sum_counts_over_world(self.step_counts)
-        nonfinite = self._fold_fisher()
-        metrics = step_metrics(totals, self.budget, self._topk, fisher_fallback=totals["fisher_fallback"] > 0,
-                               fisher_nonfinite=nonfinite, update_epochs=self.settings.update_epochs)
+        metrics = self.session.close_step(reduce=ranks.sum_over_world, update_epochs=self.update_epochs)
         metrics[MICRO_BATCHES_KEY] = float(self.step_micro_batches)
-        metrics.update(self.probe_keys)
-        self.step += 1
         self._reset_step()
         return metrics
 
@@ -365,19 +318,8 @@ class ReplayMaskHook:
             call.native_margin[column, block] = margin
 
     def add_fisher(self, layer: int, logit_grads: Tensor, valid: Tensor) -> None:
-        """Per-token squared router-logit gradients of one MoE layer's valid rows.
-
-        A non-finite square is skipped and counted, as the Fisher tracker does with its own input.
-        """
-        squares = logit_grads.detach().reshape(-1, logit_grads.shape[-1])[valid.to(logit_grads.device)].double().square()
-        finite = torch.isfinite(squares)
-        if self._fisher_sums is None:
-            self._fisher_sums, self._fisher_counts, self._fisher_skipped = (
-                torch.zeros(self.tracker.shape, dtype=torch.float64, device=squares.device) for _ in range(3)
-            )
-        self._fisher_sums[layer] += squares.masked_fill(~finite, 0.0).sum(0)
-        self._fisher_counts[layer] += finite.sum(0)
-        self._fisher_skipped[layer] += (~finite).sum(0)
+        """Per-token squared router-logit gradients of one MoE layer's valid rows (:meth:`ReplaySession.add_fisher`)."""
+        self.session.add_fisher(layer, logit_grads, valid)
 
     # -------------------------------------------------------------------------- internals
     def _select(self, call: _Call, rollout: Tensor, r3_mask: Tensor, offsets: Tensor) -> MicroBatchSelection:
@@ -385,31 +327,17 @@ class ReplayMaskHook:
         info = call.info
         columns = info.moe_columns
         routes = rollout if len(columns) == rollout.shape[1] else rollout[:, columns]
-        if call.native_pass:
-            return select_micro_batch(self._no_replay, 0.0, self.settings.seed, routes, r3_mask, offsets,
-                                      info.num_experts)
+        if call.native_pass:  # a pass that replays nothing still keys its sequences
+            return select_micro_batch(None, routes, r3_mask, offsets, info.num_experts)
         keys = sequence_keys(routes[:, 0], offsets)
-        if call.probe is not None:  # the probe's own policy and generators; the step's counts untouched
-            policy, budget, seed = call.probe.policy, call.probe.probe.budget, call.probe.seed
-        else:
-            policy, budget, seed = self.policy, self.budget, self.settings.seed
+        policy = self.session.policy if call.probe is None else call.probe.policy
+        if call.probe is None:
             self.step_micro_batches += 1
         native = has_native = margin = None
         if policy.needs_native_routes:
             native, has_native, margin = self._stitch_native_routes(routes, offsets, keys)
-        selection = select_micro_batch(policy, budget, seed, routes, r3_mask, offsets,
-                                       info.num_experts, keys=keys, native=native, has_native=has_native,
-                                       native_margin=margin)
-        if call.probe is not None:
-            return selection
-        self.step_counts["fisher_fallback"] += float(selection.fisher_fallback)
-        return selection
-
-    def _count(self, counts: dict[str, float], selection: MicroBatchSelection, native: Tensor) -> None:
-        """Add one micro-batch's counts to ``counts`` (this rank counts it for its model-parallel group)."""
-        scores = self.tracker.scores() if self.tracker.has_estimate else None
-        for key, value in counters.micro_batch_counts(selection, native, self.tracker.shape[1], scores).items():
-            counts[key] += value
+        return select_micro_batch(self.session, routes, r3_mask, offsets, info.num_experts, keys=keys, native=native,
+                                  has_native=has_native, native_margin=margin, probe=call.probe)
 
     def _keep_native_routes(self, call: _Call, native: Tensor, margin: Tensor) -> None:
         """Keep each sequence's native routes (and margins) of the native pass for the step's replayed passes."""
@@ -438,18 +366,3 @@ class ReplayMaskHook:
                 margin[start:end] = kept.margins[first:last].to(routes.device)
                 known[start:end] = kept.known[first:last].to(routes.device)
         return native, known, margin
-
-    def _fold_fisher(self) -> int:
-        """The step's Fisher sums, summed over the world, become one step of the estimate.
-
-        Returns the number of non-finite contributions the step skipped.
-        """
-        parts = (self._fisher_sums, self._fisher_counts, self._fisher_skipped)
-        if parts[0] is None:
-            parts = tuple(torch.zeros(self.tracker.shape, dtype=torch.float64) for _ in range(3))
-        sums, counts, skipped = counters.sum_over_world(torch.stack(parts)).cpu()
-        # accumulate() adds (mean * count); passing the mean weighted by its count adds the sums.
-        self.tracker.accumulate((sums / counts.clamp(min=1))[None], counts[None])
-        self.tracker.step()
-        return int(skipped.sum())
-

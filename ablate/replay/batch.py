@@ -1,8 +1,9 @@
-"""Which routes of one verl micro-batch are replayable, and which of them the policy replays.
+"""Which routes of one micro-batch are replayable, and which of them the session replays.
 
-verl hands the hook a micro-batch as jagged routes ``[tokens, route layers, topk]`` (sequences
-back to back, ``offsets`` between them) and R3's per-token mask. Three things make a verl batch
-differ from a clean :class:`ablate.routes.Routes`, and verl's plain R3 accepts all of them:
+An engine hands a micro-batch as jagged routes ``[tokens, route layers, topk]`` (sequences back
+to back, ``offsets`` between them) and its own per-token replay mask (verl's R3 mask). Three things
+make such a batch differ from a clean :class:`ablate.routes.Routes`, and verl's plain R3 accepts
+all of them:
 
 - the route tensor may cover every transformer layer, dense ones included (DeepSeek-V3 and
   Moonlight have leading dense layers; verl then maps routers by their global layer number).
@@ -12,22 +13,29 @@ differ from a clean :class:`ablate.routes.Routes`, and verl's plain R3 accepts a
   replayed: they are counted apart and their tokens are not valid for the budget. A route is
   recorded when its top-k ids are distinct and in range (with top-1 a zero cannot be told from
   expert 0; verl's R3 mask already leaves the final token native).
-- every sequence gets its own exact quota and its own generator, seeded from the run seed and
-  the sequence's routes, in one batched selection over the micro-batch (``per_sequence=True``):
-  a sequence's mask does not depend on the sequences beside it, so the old-log-prob pass and
-  every update pass replay the same routes whatever the micro-batching, on every rank.
+- every sequence gets its own exact quota and its own stream, keyed by its content
+  (:meth:`ablate.replay.ReplaySession.select` with ``sequences``), in one batched selection over
+  the micro-batch: a sequence's mask does not depend on the sequences beside it, so the
+  old-log-prob pass and every update pass replay the same routes whatever the micro-batching, on
+  every rank.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from ablate.policies import ReplayPolicy, replay_mask
 from ablate.routes import Routes
+
+if TYPE_CHECKING:
+    from ablate.replay.session import ProbeRun, ReplaySession
+
+log = logging.getLogger(__name__)
 
 
 def recorded_routes(routes: Tensor, num_experts: int) -> Tensor:
@@ -71,22 +79,13 @@ def _out_of_range(slots: Tensor, num_experts: int) -> Tensor:
 def sequence_keys(first_layer: Tensor, offsets: Tensor) -> list[bytes]:
     """A content key per sequence, from its routes at the first MoE layer.
 
-    The key seeds the sequence's generator and finds its native routes in a later pass. One
+    The key names the sequence's random stream and finds its native routes in a later pass. One
     layer identifies a sequence (two different sequences with the same first-layer routes at
     every position do not occur) at 1/layers of the cost of hashing all routes.
     """
     ids = first_layer.detach().to("cpu", torch.int16).contiguous().numpy()
     bounds = offsets.tolist()
     return [hashlib.blake2b(ids[start:end].tobytes(), digest_size=16).digest() for start, end in zip(bounds[:-1], bounds[1:])]
-
-
-def sequence_generators(seed: int, keys: list[bytes]) -> list[torch.Generator]:
-    """One CPU generator per sequence, seeded from the run seed and the sequence's content."""
-    generators = []
-    for key in keys:
-        digest = hashlib.blake2b(seed.to_bytes(8, "little", signed=True) + key, digest_size=8).digest()
-        generators.append(torch.Generator().manual_seed(int.from_bytes(digest, "little") % 2**63))
-    return generators
 
 
 @dataclass
@@ -100,7 +99,6 @@ class MicroBatchSelection:
         valid: ``[tokens]`` the tokens R3 replays whose routes were all recorded.
         mask: ``[tokens, MoE layers]`` replay mask, never True on an invalid token.
         unrecorded: number of MoE routes of the micro-batch that were not recorded.
-        fisher_fallback: the fisher policy had no estimate and selected at random.
         batch: the routes the policy selected from (None when no token was selectable), with
             what it computed of them (the ``fisher`` policy's route scores) for the counters.
     """
@@ -111,14 +109,11 @@ class MicroBatchSelection:
     valid: Tensor
     mask: Tensor
     unrecorded: int
-    fisher_fallback: bool
     batch: Routes | None = None
 
 
 def select_micro_batch(
-    policy: ReplayPolicy,
-    budget: float,
-    seed: int,
+    session: ReplaySession | None,
     routes: Tensor,
     r3_mask: Tensor,
     offsets: Tensor,
@@ -128,14 +123,16 @@ def select_micro_batch(
     native: Tensor | None = None,
     has_native: Tensor | None = None,
     native_margin: Tensor | None = None,
+    probe: ProbeRun | None = None,
 ) -> MicroBatchSelection:
     """Select the replayed routes of one micro-batch of MoE routes ``[tokens, layers, topk]``.
 
-    ``r3_mask`` is verl's per-token R3 mask, ``offsets`` the sequence boundaries and ``keys``
-    the sequences' content keys (computed when not given). ``native`` (``[tokens, layers,
-    topk]``) and ``native_margin`` (``[tokens, layers]``) are needed by policies that
-    ``needs_native_routes``; tokens where ``has_native`` is False are not selected (their native
-    routes are not known).
+    ``r3_mask`` is the engine's per-token replay mask, ``offsets`` the sequence boundaries and
+    ``keys`` the sequences' content keys (computed when not given). ``session`` selects the cell's
+    mask, or ``probe``'s; without a session (a pass that replays nothing) the mask is empty.
+    ``native`` (``[tokens, layers, topk]``) and ``native_margin`` (``[tokens, layers]``) are
+    needed by policies that ``needs_native_routes``; tokens where ``has_native`` is False are not
+    selected (their native routes are not known).
     """
     recorded = recorded_routes(routes, num_experts)
     # A count per token, not .all(1): a reduction over a short last dimension runs element by element.
@@ -143,13 +140,33 @@ def select_micro_batch(
     keys = sequence_keys(routes[:, 0], offsets) if keys is None else keys
     selectable = valid if has_native is None else valid & has_native
     mask = torch.zeros(routes.shape[:2], dtype=torch.bool, device=routes.device)
-    fallback, batch = False, None
-    if bool(selectable.any()):
+    batch = None
+    if session is not None and bool(selectable.any()):
         batch = Routes(rollout=routes, valid=selectable, num_experts=num_experts, native=native, offsets=offsets,
                        ids_checked=True, native_margin=native_margin)
-        mask = replay_mask(policy, batch, budget, generator=sequence_generators(seed, keys), per_sequence=True)
-        fallback = bool(policy.info.get("fisher_fallback", 0.0))
-    return MicroBatchSelection(
-        routes=routes, offsets=offsets, keys=keys, valid=valid, mask=mask, unrecorded=int((~recorded).sum()),
-        fisher_fallback=fallback, batch=batch,
-    )
+        mask = session.select(batch, sequences=keys, probe=probe)
+    return MicroBatchSelection(routes=routes, offsets=offsets, keys=keys, valid=valid, mask=mask,
+                               unrecorded=int((~recorded).sum()), batch=batch)
+
+
+def counted_routes(selection: MicroBatchSelection, native: Tensor, num_experts: int) -> Routes | None:
+    """The micro-batch's valid routes with the native ids its routers reported, for the session's counts.
+
+    ``native`` is the micro-batch's assembled ``[tokens, MoE layers, topk]`` native ids (-1 where
+    no router reported one). Valid routes without a native route leave the ``routing/`` counts out
+    rather than compare against a made-up route. None when the micro-batch has no valid route.
+    """
+    if not bool(selection.valid.any()):
+        return None
+    # A router writes a route's topk ids together: its first slot says whether it reported one.
+    observed = not bool(((native[..., 0] < 0) & selection.valid[:, None]).any())
+    if not observed:
+        log.warning("ablate replay hook: valid routes without a native route from the routers; routing/ keys skip them")
+    # The routes the policy selected from, when they are the same tokens (with the Fisher route scores
+    # the ``fisher`` policy computed of them); their rollout ids were checked by recorded_routes and the
+    # native ids are the routers' own top-k.
+    if selection.batch is not None and selection.batch.valid is selection.valid:
+        routes = selection.batch
+    else:
+        routes = Routes(rollout=selection.routes, valid=selection.valid, num_experts=num_experts, ids_checked=True)
+    return routes.with_native(native if observed else None)
