@@ -26,6 +26,7 @@ from ablate.config import BackendConfig, FisherEstimateConfig, TrackingConfig
 from ablate.diagnostics import SCHEMA_VERSION
 from ablate.probes import Probe
 from ablate.replay.spec import ReplaySpec
+from ablate.seeding import STREAMS_VERSION
 from ablate.store import sweep_directory
 
 #: Top-level config keys that never change what a cell computes (``plugins`` says where a policy's
@@ -76,6 +77,7 @@ class Cell:
         flat.update({
             "policy": self.policy, "budget": self.budget, "seed": self.seed, "backend": self.backend.name,
             "schema_version": SCHEMA_VERSION, "cell_id": self.cell_id, "sweep": self.sweep, "variant": self.variant,
+            "streams": STREAMS_VERSION,
         })
         if self.trial is not None:
             flat["trial"] = self.trial

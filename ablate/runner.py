@@ -30,6 +30,7 @@ from ablate.diagnostics import validate_record
 from ablate.interrupts import as_interrupted, check_not_stopping, signals_interrupt
 from ablate.outcomes import cell_outcomes
 from ablate.progress import Progress
+from ablate.seeding import STREAMS_VERSION
 from ablate.store import (
     CELL_FILE,
     CellBusy,
@@ -114,6 +115,7 @@ def run(cell: Cell) -> dict[str, Any]:
                 cell_id=cell.cell_id, name=cell.name, sweep=cell.sweep, backend=cell.backend.name, policy=cell.policy,
                 budget=cell.budget, seed=cell.seed, trial=cell.trial, variant=cell.variant,
                 settings=cell.policy_settings, schema_version=cell.resolved["schema_version"], wandb_run_id=run_id,
+                streams=STREAMS_VERSION,
             ).to_json(),
             config_yaml(cell.resolved), view.attempt + 1,
         )

@@ -83,7 +83,7 @@ __all__ = ["CorruptCellError", "ExcludedCellsWarning", "MixedSchemaWarning", "Sw
 
 ID_COLUMNS: tuple[str, ...] = (
     "sweep", "cell_id", "name", "backend", "policy", "policy_name", "variant", "budget", "seed",
-    "schema_version", "status",
+    "schema_version", "streams", "status",
 )
 Source = Literal["store", "wandb-offline", "wandb"]
 
@@ -331,6 +331,13 @@ def _report_excluded(excluded: dict[str, int], corrupt: list[str], where: str) -
 
 
 def _report_schema_versions(cells: list[LoadedCell], where: str) -> None:
+    schemes = Counter(int(cell.meta.get("streams") or 1) for cell in cells)
+    if len(schemes) > 1:
+        counts = ", ".join(f"{scheme} ({n} cells)" for scheme, n in sorted(schemes.items()))
+        warnings.warn(
+            f"{where}: cells of seed schemes {counts} are mixed: a seed draws other data under each, so they are "
+            f"paired only within one scheme (streams is part of the arm); keep the newest with where streams="
+            f"{max(schemes)}, or rerun the older cells", MixedSchemaWarning, stacklevel=_CALLER)
     versions = Counter(str(cell.meta.get("schema_version")) for cell in cells)
     if len(versions) < 2:
         return

@@ -77,7 +77,7 @@ def arm_keys(df: pd.DataFrame, by: Sequence[str] | None = None) -> list[str]:
             varied = df.attrs.get("config_keys", [])
             raise KeyError(f"by={list(by)}: no column {missing}; config keys that vary here: {varied or 'none'}")
         return [key for key in by if key not in ("policy", "budget", "seed")]
-    candidates = [*df.attrs.get("config_keys", []), "schema_version"]
+    candidates = [*df.attrs.get("config_keys", []), "schema_version", "streams"]
     return [key for key in dict.fromkeys(candidates) if key in df.columns and df[key].nunique(dropna=False) > 1]
 
 
@@ -449,7 +449,7 @@ def check_frame(df: pd.DataFrame, outcome: str, keys: Sequence[str]) -> None:
         return
     _, clash = next(iter(df.loc[duplicated].groupby(identity, sort=False, dropna=False)))
     first = clash.iloc[0]
-    candidates = [*df.attrs.get("config_keys", []), "schema_version", "backend", "sweep", "cell_id"]
+    candidates = [*df.attrs.get("config_keys", []), "schema_version", "streams", "backend", "sweep", "cell_id"]
     differ = [key for key in candidates if key in clash.columns and key not in keys
               and clash[key].astype(str).nunique() > 1]
     shown = ", ".join(f"{key}={first[key]}" for key in identity)

@@ -59,6 +59,9 @@ class CellIdentity:
     settings: dict[str, Any] = field(default_factory=dict)
     #: The cell's one W&B run id, kept across attempts.
     wandb_run_id: str | None = None
+    #: The seed scheme its random streams came from (:data:`ablate.seeding.STREAMS_VERSION`); None:
+    #: written before the field existed, the first scheme. Cells of two schemes share no data.
+    streams: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,6 +82,7 @@ class CellIdentity:
             "variant": (lambda v: isinstance(v, str), "a string"),
             "settings": (lambda v: isinstance(v, dict), "a mapping of policy settings"),
             "wandb_run_id": (lambda v: v is None or isinstance(v, str), "null or a W&B run id"),
+            "streams": (lambda v: v is None or (_is_int(v) and v >= 1), "null or a seed-scheme version >= 1"),
         }
         values: dict[str, Any] = {}
         for spec in fields(cls):

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.verl
 
 
 def test_every_entry_point_is_in_the_installed_sources_and_the_live_objects_agree():
-    ep.check_sources("megatron")
-    ep.check_sources("veomni")
+    ep.check_sources("megatron", cpu=True)
+    ep.check_sources("veomni", cpu=True)
     assert {point.engine for point in ep.ENTRY_POINTS} == {"megatron", "veomni", "trainer"}
     for point in ep.ENTRY_POINTS:  # imports each module, as the hook's install does
         owner, attribute, current = ep._lookup(point)
@@ -67,6 +67,28 @@ def test_a_moved_function_fails_the_check_in_one_line_naming_it(moved_verl, monk
     with pytest.raises(VerlLaunchError, match=r"^movedverl.engine.MegatronEngine.forward_backward_batch is not there"):
         check_engine("megatron")
     check_engine("veomni")  # the moved point is the Megatron engine's only
+
+
+def test_the_cpu_stand_ins_names_are_rows_checked_for_a_cpu_run_only(moved_verl, monkeypatch):
+    cpu_rows = [point for point in ep.ENTRY_POINTS if point.cpu]
+    assert {point.where for point in cpu_rows} >= {
+        "verl.workers.rollout.base._ROLLOUT_REGISTRY", "verl.trainer.ppo.v1.replay_buffer.ReplayBuffer._materialize_batch",
+        "verl.workers.rollout.llm_server.LLMServerClient._vllm_request_id",
+        "verl.experimental.agent_loop.agent_loop.AgentLoopWorker._run_agent_loop",
+        "verl.utils.distributed.initialize_global_process_group_ray"}
+    assert not set(cpu_rows) & set(ep.of_engine("megatron")) and set(cpu_rows) <= {
+        *ep.of_engine("megatron", cpu=True), *ep.of_engine("veomni", cpu=True)}
+    # A registry the CPU rollout writes into, renamed: a CPU launch fails in one line naming it, a GPU one does not care.
+    gone = ep.EntryPoint("trainer", moved_verl, "_ROLLOUT_REGISTRY", None, "cpu.plugin: a test", cpu=True)
+    monkeypatch.setattr(ep, "ENTRY_POINTS", (*ep.ENTRY_POINTS, gone))
+    from ablate.backends.verl.launch import VerlLaunchError, check_engine
+
+    with pytest.raises(VerlLaunchError, match=r"^movedverl.engine._ROLLOUT_REGISTRY is not there: movedverl.engine "
+                                              r"defines no _ROLLOUT_REGISTRY: ablate's hook replaces it with cpu.plugin"):
+        check_engine("veomni", cpu=True)
+    check_engine("veomni")
+    with pytest.raises(ep.EntryPointMissing, match="movedverl.engine has no _ROLLOUT_REGISTRY"):
+        ep.verify(gone)  # the live check, where a stand-in wraps a name in place
 
 
 def test_a_module_that_is_not_installed_is_named(monkeypatch):

@@ -28,7 +28,7 @@ from ablate.store import CellState
 CELL = "__cell__"
 #: Keys the cell runner adds to the flattened W&B config beside the resolved config's own.
 WANDB_IDENTITY_KEYS: frozenset[str] = frozenset(
-    {"policy", "budget", "seed", "backend", "schema_version", "cell_id", "sweep", "variant", "trial"}
+    {"policy", "budget", "seed", "backend", "schema_version", "streams", "cell_id", "sweep", "variant", "trial"}
 )
 #: W&B runs of this job type hold analysis results, not cells (see ``dashboard.log_summary_table``).
 SUMMARY_JOB_TYPE = "summary"
@@ -135,6 +135,7 @@ def wandb_cell(config: dict[str, Any], records: pd.DataFrame, *, group: str, nam
         "seed": config.get("seed"),
         "variant": config.get("variant", ""),
         "schema_version": version(config.get("schema_version")),
+        "streams": int(config.get("streams") or 1),
         "status": "complete",
         "path": path,
     })

@@ -74,6 +74,7 @@ def read_store(sweep_path: Path, on_corrupt: str) -> Loaded:
         meta = {
             **vars(identity), "sweep": identity.sweep or sweep_path.name, "status": CellState.COMPLETE.value,
             "path": str(cell_dir), "schema_version": version(identity.schema_version or config.get("schema_version")),
+            "streams": identity.streams or 1,
         }
         cells.append(LoadedCell(with_arm(meta), config, outcomes=_summary_outcomes(cell_dir, contents.summary)))
         records.add(contents.records)

@@ -125,7 +125,7 @@ def build_command(cell: Cell, metrics_file: Path, *, launch: bool = True) -> tup
     cfg = BACKEND.config_of(cell)
     engine = cfg.engine.value
     check_verl()
-    check_engine(engine)
+    check_engine(engine, cpu=cfg.cpu is not None)
     config_dir = Path(cfg.config_dir) if cfg.config_dir else default_config_dir()
     env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_file)}
     cpu: list[str] = []

@@ -9,8 +9,9 @@ an :class:`EntryPoint` below, with the function that replaces it. Each is checke
 - when the hook installs in verl's actor (:func:`replace`): the live object, its signature
   inspected, so nothing is ever wrapped silently in the wrong place.
 
-The CPU stand-ins of ``backend=verl_cpu`` replace CUDA-only code, not replay: they are named and
-counted in :mod:`ablate.backends.verl.cpu.patches` and docs/verl-cpu.md.
+The CPU stand-ins of ``backend=verl_cpu`` (:mod:`ablate.backends.verl.cpu`) replace CUDA-only code
+and a few of verl's private names, not replay; every verl, mbridge or Megatron-core name they replace
+is a row here too (``cpu=True``), checked the same two ways when a cell runs on the CPU.
 """
 
 from __future__ import annotations
@@ -34,37 +35,49 @@ class EntryPoint:
     """One name ablate replaces: ``module.name`` (``name`` may be ``Class.method``).
 
     ``params`` are the leading parameters ablate's replacement receives and passes on; the
-    installed function must start with them. ``engine`` is the seam that replaces it
-    (``trainer``: verl's trainer process, for every engine). ``during`` says when it is replaced:
-    for the whole process once the hook is installed, or only for the length of one call.
+    installed function must start with them. None: the name is no function (a module attribute,
+    a registry, a class), and must only be there. ``engine`` is the seam that replaces it
+    (``trainer``: for every engine). ``during`` says when it is replaced: for the whole process
+    once the hook is installed, or only for the length of one call. ``cpu``: only a CPU run
+    (``backend=verl_cpu``) replaces it.
     """
 
     engine: str
     module: str
     name: str
-    params: tuple[str, ...]
+    params: tuple[str, ...] | None
     ablate: str
     during: str = "process"
+    cpu: bool = False
 
     @property
     def where(self) -> str:
         return f"{self.module}.{self.name}"
 
 
-_MEGATRON_ENGINE = "verl.workers.engine.megatron.transformer_impl"
+MEGATRON_ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
 _MEGATRON_REPLAY = "verl.utils.megatron.router_replay_patch"
-_VEOMNI_ENGINE = "verl.workers.engine.veomni.transformer_impl"
+VEOMNI_ENGINE_MODULE = "verl.workers.engine.veomni.transformer_impl"
 _VEOMNI_REPLAY = "verl.utils.veomni.router_replay"
+#: Megatron-core modules that create tensors with ``device="cuda"`` (or ``torch.cuda.current_device()``): a CPU
+#: run gives each a ``torch`` of its own whose tensor factories make CPU tensors (:mod:`.cpu.patches`).
+CUDA_LITERAL_MODULES = (
+    "megatron.core.optimizer.optimizer", "megatron.core.optimizer.clip_grads", "megatron.core.optimizer.grad_scaler",
+    "megatron.core.optimizer.distrib_optimizer", "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.utils", "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.utils", "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.tensor_parallel.data", "megatron.core.utils", "megatron.core.rerun_state_machine",
+)
 _ENGINE_INIT = ("self", "model_config", "engine_config", "optimizer_config", "checkpoint_config")
 _FORWARD_BACKWARD = ("self", "data", "loss_function", "forward_only")
 
 ENTRY_POINTS: tuple[EntryPoint, ...] = (
     # ---- Megatron (engines/megatron.py)
-    EntryPoint(MEGATRON, _MEGATRON_ENGINE, "MegatronEngine.__init__", _ENGINE_INIT,
+    EntryPoint(MEGATRON, MEGATRON_ENGINE_MODULE, "MegatronEngine.__init__", _ENGINE_INIT,
                "engines.megatron.arm: installs the hook once an R3 actor engine is built"),
-    EntryPoint(MEGATRON, _MEGATRON_ENGINE, "MegatronEngine.forward_backward_batch", _FORWARD_BACKWARD,
+    EntryPoint(MEGATRON, MEGATRON_ENGINE_MODULE, "MegatronEngine.forward_backward_batch", _FORWARD_BACKWARD,
                "engines.base.hooked_call: one hook call per verl call, the step's keys in its output"),
-    EntryPoint(MEGATRON, _MEGATRON_ENGINE, "set_router_replay_data",
+    EntryPoint(MEGATRON, MEGATRON_ENGINE_MODULE, "set_router_replay_data",
                ("layers_topk_idx", "attention_mask", "tf_config", "vp_rank"),
                "engines.megatron.MegatronSeam.set_router_replay_data: the micro-batch's mask, packed by verl"),
     EntryPoint(MEGATRON, _MEGATRON_REPLAY, "RouterReplay.set_target_indices", ("self", "topk_indices", "replay_mask"),
@@ -76,11 +89,11 @@ ENTRY_POINTS: tuple[EntryPoint, ...] = (
     EntryPoint(MEGATRON, "megatron.core.transformer.moe.router", "TopKRouter.routing", ("self", "logits"),
                "engines.megatron.MegatronSeam.routing: router-logit gradients to the Fisher estimate"),
     # ---- VeOmni (engines/veomni.py)
-    EntryPoint(VEOMNI, _VEOMNI_ENGINE, "VeOmniEngine.__init__", _ENGINE_INIT,
+    EntryPoint(VEOMNI, VEOMNI_ENGINE_MODULE, "VeOmniEngine.__init__", _ENGINE_INIT,
                "engines.veomni.arm: installs the hook once an R3 actor engine is built"),
-    EntryPoint(VEOMNI, _VEOMNI_ENGINE, "VeOmniEngine.forward_backward_batch", _FORWARD_BACKWARD,
+    EntryPoint(VEOMNI, VEOMNI_ENGINE_MODULE, "VeOmniEngine.forward_backward_batch", _FORWARD_BACKWARD,
                "engines.base.hooked_call: one hook call per verl call, the step's keys in its output"),
-    EntryPoint(VEOMNI, _VEOMNI_ENGINE, "VeOmniEngineWithLMHead._prepare_router_replay_inputs",
+    EntryPoint(VEOMNI, VEOMNI_ENGINE_MODULE, "VeOmniEngineWithLMHead._prepare_router_replay_inputs",
                ("self", "micro_batch", "output_args"),
                "engines.veomni.VeOmniSeam.prepare_router_replay_inputs: the micro-batch's mask, padded and "
                "sliced by verl"),
@@ -96,6 +109,32 @@ ENTRY_POINTS: tuple[EntryPoint, ...] = (
                "offpolicy.with_mismatch_metrics: the schema's mismatch/ keys"),
     EntryPoint(TRAINER, "verl.utils.debug.metrics", "calculate_debug_metrics", ("data",),
                "offpolicy.with_mismatch_metrics: the schema's mismatch/ keys"),
+    # ---- the CPU stand-ins of backend=verl_cpu (cpu/): verl's, mbridge's and Megatron-core's names they replace
+    *(EntryPoint(engine, module, name, params, f"cpu.{ablate}", cpu=True) for engine, module, name, params, ablate in (
+        (TRAINER, "verl.utils.distributed", "initialize_global_process_group_ray", ("timeout_second", "backend"),
+         "patches.gloo_process_group: gloo for the CPU platform's collectives"),
+        (TRAINER, "verl.workers.engine_workers", "initialize_global_process_group_ray", ("timeout_second", "backend"),
+         "patches.gloo_process_group: the worker module's own name for it"),
+        (MEGATRON, "mbridge.core.llm_bridge", "LLMBridge._get_transformer_layer_spec", ("self", "vp_stage"),
+         "patches.local_layer_spec: Megatron's local layer spec with packed attention"),
+        (MEGATRON, "mbridge.core.bridge", "Bridge._weight_name_mapping_mcore_to_hf", ("self", "mcore_weights_name"),
+         "patches.local_weight_names: local-spec parameter names"),
+        (MEGATRON, "megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.fork", ("self", "name"),
+         "patches.cuda_rng_tracker: no CUDA random states"),
+        (MEGATRON, MEGATRON_ENGINE_MODULE, "load_megatron_model_to_gpu", ("models", "load_grad"),
+         "patches.no_load_to_gpu: no offload and reload"),
+        (VEOMNI, VEOMNI_ENGINE_MODULE, "MixedPrecisionConfig", None, "patches.veomni_full_precision: float32 parameters"),
+        (TRAINER, "verl.trainer.ppo.v1.trainer_base", "uuid", None, "batch_order: counting prompt uids"),
+        (TRAINER, "verl.trainer.ppo.v1.replay_buffer", "ReplayBuffer._materialize_batch", ("self", "partition_id"),
+         "batch_order: each step's batch sorted by prompt and sample"),
+        (TRAINER, "verl.experimental.agent_loop.agent_loop", "AgentLoopWorker._run_agent_loop",
+         ("self", "sampling_params", "trajectory"), "request_ids: each request named after its sample"),
+        (TRAINER, "verl.workers.rollout.llm_server", "LLMServerClient._vllm_request_id", ("self", "request_id"),
+         "request_ids: the request id the rollout is seeded by"),
+        (TRAINER, "verl.workers.rollout.base", "_ROLLOUT_REGISTRY", None, "plugin: the CPU rollout, registered by name"),
+        *((MEGATRON, module, "torch", None, "patches.cuda_literals: CPU tensor factories")
+          for module in CUDA_LITERAL_MODULES),
+    )),
 )
 
 
@@ -111,9 +150,10 @@ def entry(module: str, name: str) -> EntryPoint:
     raise KeyError(f"{module}.{name} is not in ablate's entry-point table")
 
 
-def of_engine(engine: str) -> tuple[EntryPoint, ...]:
-    """The entry points a cell on ``engine`` uses: the engine's own and the trainer's."""
-    return tuple(point for point in ENTRY_POINTS if point.engine in (engine, TRAINER))
+def of_engine(engine: str, *, cpu: bool = False) -> tuple[EntryPoint, ...]:
+    """The entry points a cell on ``engine`` uses: the engine's own and the trainer's (with ``cpu``,
+    those of the CPU stand-ins too)."""
+    return tuple(point for point in ENTRY_POINTS if point.engine in (engine, TRAINER) and (cpu or not point.cpu))
 
 
 def _missing(point: EntryPoint, problem: str) -> EntryPointMissing:
@@ -122,18 +162,23 @@ def _missing(point: EntryPoint, problem: str) -> EntryPointMissing:
         f"{VERL_VERSION} (REQUIRED_VERL.txt; every entry point: ablate/backends/verl/entry_points.py)")
 
 
-def _check_params(point: EntryPoint, found: list[str]) -> None:
+def _check_params(point: EntryPoint, found: list[str] | None) -> None:
+    if point.params is None:
+        return
+    if found is None:
+        raise _missing(point, "is not a function")
     if found[:len(point.params)] != list(point.params):
         raise _missing(point, f"takes ({', '.join(found)}), not ({', '.join(point.params)}, ...)")
 
 
 # ------------------------------------------------------------------ at launch: the sources only
-def check_sources(engine: str) -> None:
-    """Check every entry point of ``engine`` in the installed sources, importing none of them.
+def check_sources(engine: str, *, cpu: bool = False) -> None:
+    """Check every entry point of ``engine`` (and the CPU stand-ins', with ``cpu``) in the installed
+    sources, importing none of them.
 
     Raises :class:`EntryPointMissing` naming the first one that moved or changed.
     """
-    for point in of_engine(engine):
+    for point in of_engine(engine, cpu=cpu):
         _check_params(point, _source_params(point))
 
 
@@ -151,8 +196,9 @@ def _source_file(module: str) -> Path | None:
     return None
 
 
-def _source_params(point: EntryPoint, module: str | None = None, hops: int = 3) -> list[str]:
-    """Parameter names of ``point.name`` as defined in ``module``'s source (following ``from x import``)."""
+def _source_params(point: EntryPoint, module: str | None = None, hops: int = 3) -> list[str] | None:
+    """Parameter names of ``point.name`` as defined in ``module``'s source (following ``from x import``);
+    None where it is defined as no function (a class, an assignment, an import of a name that is no row's function)."""
     module = module or point.module
     path = _source_file(module)
     if path is None:
@@ -168,11 +214,25 @@ def _source_params(point: EntryPoint, module: str | None = None, hops: int = 3) 
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
             arguments = node.args
             return [a.arg for a in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs)]
+        if point.params is None and _defines(node, name):
+            return None
         if not owners and isinstance(node, ast.ImportFrom) and hops > 0:
             if any((alias.asname or alias.name) == name and alias.name == name for alias in node.names):
                 source = _absolute(module, node, path)
                 return _source_params(point, source, hops - 1)
     raise _missing(point, f"is not there: {module} defines no {point.name}")
+
+
+def _defines(node: ast.stmt, name: str) -> bool:
+    """``node`` binds ``name`` as something other than a function: a class, an assignment, an import."""
+    if isinstance(node, ast.ClassDef):
+        return node.name == name
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return any(isinstance(target, ast.Name) and target.id == name for target in targets)
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return any((alias.asname or alias.name).split(".")[0] == name for alias in node.names)
+    return False
 
 
 def _absolute(module: str, node: ast.ImportFrom, path: Path) -> str:
@@ -204,10 +264,25 @@ def _lookup(point: EntryPoint) -> tuple[Any, str, Any]:
     current = owner.__dict__.get(attribute) if isinstance(owner, type) else getattr(owner, attribute, None)
     if current is None:
         raise _missing(point, f"is not there: {'.'.join([point.module, *owners])} has no {attribute}")
-    function = current.__func__ if isinstance(current, (staticmethod, classmethod)) else current
-    target = inspect.unwrap(_ORIGINALS.get(point, function))
-    _check_params(point, list(inspect.signature(target).parameters))
+    if point.params is not None:
+        function = current.__func__ if isinstance(current, (staticmethod, classmethod)) else current
+        target = inspect.unwrap(_ORIGINALS.get(point, function))
+        _check_params(point, list(inspect.signature(target).parameters))
     return owner, attribute, current
+
+
+def cpu_point(module: str, name: str) -> EntryPoint:
+    """The CPU stand-ins' row for ``module.name``."""
+    for point in ENTRY_POINTS:
+        if point.cpu and point.module == module and point.name == name:
+            return point
+    raise KeyError(f"{module}.{name} is not in ablate's entry-point table of the CPU stand-ins")
+
+
+def verify(*points: EntryPoint) -> None:
+    """Each live object where its row says, with the parameters it says: for names a stand-in wraps in place."""
+    for point in points:
+        _lookup(point)
 
 
 def replace(point: EntryPoint, replacement: Any) -> Any:

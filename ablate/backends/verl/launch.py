@@ -111,7 +111,7 @@ def check_package(name: str, wanted: str, needed_by: str) -> str:
     return found
 
 
-def check_engine(engine: str) -> None:
+def check_engine(engine: str, *, cpu: bool = False) -> None:
     """The engine's own package at its pinned version, and every entry point of the hook where it expects it.
 
     The entry points are read from the installed sources without importing them
@@ -124,7 +124,7 @@ def check_engine(engine: str) -> None:
     if launch.name == "veomni":
         check_package("veomni", VEOMNI_VERSION, "backend.engine=veomni")
     try:
-        check_sources(launch.name)
+        check_sources(launch.name, cpu=cpu)
     except EntryPointMissing as missing:
         raise VerlLaunchError(str(missing)) from None
 

@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from ablate.backends.verl import entry_points as ep
 from ablate.backends.verl.import_hooks import when_imported
 
 TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_base"
@@ -72,6 +73,7 @@ def install() -> None:
     def order(trainer_base: Any) -> None:
         from verl.trainer.ppo.v1 import replay_buffer  # imported by trainer_base already
 
+        ep.verify(ep.cpu_point(TRAINER_MODULE, "uuid"), ep.cpu_point(replay_buffer.__name__, "ReplayBuffer._materialize_batch"))
         order_batches(trainer_base, replay_buffer.ReplayBuffer)
 
     when_imported(TRAINER_MODULE, order)

@@ -3,13 +3,14 @@
 Every patch stands in for code that only runs with CUDA or Transformer Engine, so each is also a
 part of the GPU path the CPU run does not exercise; docs/verl-cpu.md lists them by name. Each
 names the training engines whose CPU run needs it: :func:`apply_all` applies those of one
-engine, once per process, and returns their names.
+engine, once per process, and returns their names. Every verl, mbridge or Megatron-core name a
+patch replaces is a row of :mod:`ablate.backends.verl.entry_points` and is replaced through it, its
+signature checked.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import re
 import types
 from collections.abc import Callable
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ablate.backends.verl import entry_points as ep
+from ablate.backends.verl.entry_points import CUDA_LITERAL_MODULES, MEGATRON_ENGINE_MODULE, VEOMNI_ENGINE_MODULE
 from ablate.backends.verl.import_hooks import when_imported
 
 
@@ -35,17 +38,16 @@ class Patch:
 
 
 def _gloo_process_group() -> None:
-    import verl.utils.distributed as distributed
-
-    original = distributed.initialize_global_process_group_ray
+    point = ep.cpu_point("verl.utils.distributed", "initialize_global_process_group_ray")
+    original = ep.original(point)
 
     def initialize(timeout_second=None, backend=None):
         return original(timeout_second=timeout_second, backend=backend or "gloo")
 
     def by_name(engine_workers) -> None:  # it imports the function by name
-        engine_workers.initialize_global_process_group_ray = initialize
+        ep.replace(ep.cpu_point("verl.workers.engine_workers", "initialize_global_process_group_ray"), initialize)
 
-    distributed.initialize_global_process_group_ray = initialize
+    ep.replace(point, initialize)
     # Once imported, not before: verl's worker module imports every engine (seconds in each process).
     when_imported("verl.workers.engine_workers", by_name)
 
@@ -60,19 +62,18 @@ def _local_layer_spec() -> None:
             layer.submodules.self_attention.submodules.core_attention = _packed_attention_class()
         return spec
 
-    llm_bridge.LLMBridge._get_transformer_layer_spec = layer_spec
+    ep.replace(ep.cpu_point(llm_bridge.__name__, "LLMBridge._get_transformer_layer_spec"), layer_spec)
 
 
 def _local_weight_names() -> None:
-    from mbridge.core import bridge
-
-    original = bridge.Bridge._weight_name_mapping_mcore_to_hf
+    point = ep.cpu_point("mbridge.core.bridge", "Bridge._weight_name_mapping_mcore_to_hf")
+    original = ep.original(point)
 
     def te_name(name: str) -> str:
         name = name.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
         return re.sub(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight", r".mlp.experts.\2.weight\1", name)
 
-    bridge.Bridge._weight_name_mapping_mcore_to_hf = lambda self, name: original(self, te_name(name))
+    ep.replace(point, lambda self, mcore_weights_name: original(self, te_name(mcore_weights_name)))
 
 
 def _cuda_calls() -> None:
@@ -82,19 +83,8 @@ def _cuda_calls() -> None:
 
 
 def _cuda_rng_tracker() -> None:
-    from megatron.core.tensor_parallel import random
-
-    random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
-
-
-#: megatron-core modules that create tensors with ``device="cuda"`` (or ``torch.cuda.current_device()``).
-CUDA_LITERAL_MODULES = (
-    "megatron.core.optimizer.optimizer", "megatron.core.optimizer.clip_grads", "megatron.core.optimizer.grad_scaler",
-    "megatron.core.optimizer.distrib_optimizer", "megatron.core.pipeline_parallel.schedules",
-    "megatron.core.pipeline_parallel.utils", "megatron.core.transformer.moe.moe_utils",
-    "megatron.core.transformer.utils", "megatron.core.distributed.param_and_grad_buffer",
-    "megatron.core.tensor_parallel.data", "megatron.core.utils", "megatron.core.rerun_state_machine",
-)
+    ep.replace(ep.cpu_point("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.fork"),
+               lambda self, name=None: contextlib.nullcontext())
 
 
 def _cuda_literals() -> None:
@@ -114,7 +104,7 @@ def _cuda_literals() -> None:
     for name in ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "empty_like"):
         setattr(proxy, name, on_cpu(getattr(torch, name)))
     for module in CUDA_LITERAL_MODULES:
-        importlib.import_module(module).torch = proxy
+        ep.replace(ep.cpu_point(module, "torch"), proxy)
 
 
 def _te_gemm_name() -> None:
@@ -126,20 +116,21 @@ def _te_gemm_name() -> None:
 
 def _no_load_to_gpu() -> None:
     def no_load(transformer_impl) -> None:
-        transformer_impl.load_megatron_model_to_gpu = lambda *args, **kwargs: None
+        ep.replace(ep.cpu_point(transformer_impl.__name__, "load_megatron_model_to_gpu"),
+                   lambda models, load_grad=True, load_frozen_params=True: None)
 
-    when_imported("verl.workers.engine.megatron.transformer_impl", no_load)
+    when_imported(MEGATRON_ENGINE_MODULE, no_load)
 
 
 def _veomni_full_precision() -> None:
     import functools
 
     def compute_in_fp32(transformer_impl) -> None:
-        transformer_impl.MixedPrecisionConfig = functools.partial(transformer_impl.MixedPrecisionConfig,
-                                                                  param_dtype="float32")
+        point = ep.cpu_point(transformer_impl.__name__, "MixedPrecisionConfig")
+        ep.replace(point, functools.partial(ep.original(point), param_dtype="float32"))
         transformer_impl.VeOmniEngine._autocast_dtype = torch.float32  # read by FSDPEngine.forward_step
 
-    when_imported("verl.workers.engine.veomni.transformer_impl", compute_in_fp32)
+    when_imported(VEOMNI_ENGINE_MODULE, compute_in_fp32)
 
 
 _ATTENTION: list[type] = []

@@ -13,9 +13,9 @@ take a loader and a dotted path.
 import importlib
 import os
 
-from verl.workers.rollout import base
 from verl.workers.rollout.replica import RolloutReplicaRegistry
 
+from ablate.backends.verl import entry_points as ep
 from ablate.backends.verl.cpu import ENGINE_ENV, ROLLOUT_NAME, platform  # noqa: F401  (platform registers itself)
 from ablate.backends.verl.cpu import batch_order, request_ids
 from ablate.backends.verl.cpu.patches import apply_all
@@ -26,4 +26,5 @@ apply_all(os.environ.get(ENGINE_ENV, "megatron"))
 request_ids.install()
 batch_order.install()
 RolloutReplicaRegistry.register(ROLLOUT_NAME, lambda: importlib.import_module(ROLLOUT_MODULE).CpuReplica)
-base._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = f"{ROLLOUT_MODULE}.CpuServerAdapter"
+ep.original(ep.cpu_point("verl.workers.rollout.base", "_ROLLOUT_REGISTRY"))[(ROLLOUT_NAME, "async")] = (
+    f"{ROLLOUT_MODULE}.CpuServerAdapter")

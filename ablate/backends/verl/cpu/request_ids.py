@@ -39,6 +39,10 @@ def install() -> None:
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
     from verl.workers.rollout.llm_server import LLMServerClient
 
+    from ablate.backends.verl import entry_points as ep
+
+    ep.verify(ep.cpu_point(AgentLoopWorker.__module__, "AgentLoopWorker._run_agent_loop"),
+              ep.cpu_point(LLMServerClient.__module__, "LLMServerClient._vllm_request_id"))
     name_requests(AgentLoopWorker, LLMServerClient)
 
 

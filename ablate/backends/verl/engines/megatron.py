@@ -46,7 +46,7 @@ from ablate.backends.verl.engines.base import hooked_call, r3_call
 from ablate.replay import ranks
 from ablate.replay.seams import CallInfo, EngineSeam, LayerTargets, split_augmented
 
-ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
+ENGINE_MODULE = ep.MEGATRON_ENGINE_MODULE
 _REPLAY = "verl.utils.megatron.router_replay_patch"
 INIT = ep.entry(ENGINE_MODULE, "MegatronEngine.__init__")
 FORWARD_BACKWARD = ep.entry(ENGINE_MODULE, "MegatronEngine.forward_backward_batch")

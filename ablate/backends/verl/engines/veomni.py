@@ -46,7 +46,7 @@ from ablate.backends.verl.engines.base import hooked_call, r3_call
 from ablate.replay import ranks
 from ablate.replay.seams import CallInfo, EngineSeam, LayerTargets, split_layers
 
-ENGINE_MODULE = "verl.workers.engine.veomni.transformer_impl"
+ENGINE_MODULE = ep.VEOMNI_ENGINE_MODULE
 _REPLAY = "verl.utils.veomni.router_replay"
 INIT = ep.entry(ENGINE_MODULE, "VeOmniEngine.__init__")
 FORWARD_BACKWARD = ep.entry(ENGINE_MODULE, "VeOmniEngine.forward_backward_batch")
