@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -134,7 +135,9 @@ def sequence_layer_quotas(counts: Tensor, num_layers: int, shifts: Tensor) -> Te
     """
     base, remainder = counts // num_layers, counts % num_layers
     quotas = base[:, None].repeat(1, num_layers)
-    sequence = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), remainder)
+    # The output's size given: on a GPU, repeat_interleave would read it from the device otherwise.
+    sequence = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), remainder,
+                                       output_size=int(remainder.sum().tolist()))
     first = torch.cumsum(remainder, 0) - remainder
     i = torch.arange(sequence.shape[0], device=counts.device) - first[sequence]
     # floor((i + 0.5) * L / r) in integers: exact, and the same on every device.
@@ -163,8 +166,13 @@ class Quotas:
         return self.counts.dim() == 2
 
     @property
+    def host_counts(self) -> np.ndarray:
+        """:attr:`counts` on the host (read from the device once, where they are on one)."""
+        return self.counts.cpu().numpy()
+
+    @property
     def total(self) -> int:
-        return int(self.counts.sum())
+        return int(self.host_counts.sum())
 
 
 def global_quotas(budget: float, routes: Routes, *, per_layer: bool) -> Quotas:
@@ -179,10 +187,16 @@ def global_quotas(budget: float, routes: Routes, *, per_layer: bool) -> Quotas:
 
 
 def per_sequence_quotas(budget: float, routes: Routes, *, layer_shifts: Tensor | None) -> Quotas:
-    """One group per sequence: ``n_s`` of :func:`sequence_counts`, split per layer when ``layer_shifts`` is given."""
+    """One group per sequence: ``n_s`` of :func:`sequence_counts`, split per layer when ``layer_shifts`` is given.
+
+    Where the host knows each sequence's valid tokens (``routes.host``) the counts are computed on
+    the host, in the same float64 arithmetic: planning the selection then reads nothing of the device.
+    """
     if routes.valid_offsets is None:
         raise BudgetError("per-sequence budgets need sequence boundaries: build Routes(..., offsets=<[sequences + 1]>)")
-    counts = sequence_counts(budget, routes.valid_offsets.diff(), routes.num_layers)
+    bounds = routes.valid_bounds
+    valid_tokens = torch.tensor(bounds).diff() if routes.host is not None else routes.valid_offsets.diff()
+    counts = sequence_counts(budget, valid_tokens, routes.num_layers)
     if layer_shifts is not None:
         counts = sequence_layer_quotas(counts, routes.num_layers, layer_shifts.to(counts.device))
-    return Quotas(counts=counts, bounds=routes.valid_offsets.tolist(), per_sequence=True)
+    return Quotas(counts=counts, bounds=bounds, per_sequence=True)

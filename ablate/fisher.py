@@ -97,6 +97,10 @@ class FisherTracker:
         self._updates = torch.zeros(shape, dtype=torch.long, device=device)
         self._nonfinite = torch.zeros((), dtype=torch.float64, device=device)
         self.steps = 0
+        #: Whether some entry has an estimate, and the scores of the estimate: kept on the host side
+        #: between steps, so that a policy reading them per micro-batch never reads the device.
+        self._has_estimate = False
+        self._scores: tuple[str, Tensor] | None = None
         #: Non-finite contributions skipped in the last closed step, and since the tracker began.
         self.nonfinite_last_step = 0
         self.nonfinite_total = 0
@@ -108,7 +112,7 @@ class FisherTracker:
     @property
     def has_estimate(self) -> bool:
         """True once at least one step with gradient information has been closed."""
-        return bool((self._updates > 0).any())
+        return self._has_estimate
 
     def accumulate(self, sq_grads: Tensor, weights: Tensor) -> None:
         """Add one micro-batch of per-token squared gradients.
@@ -141,13 +145,21 @@ class FisherTracker:
         self._sums += (sq * weights).sum(0)
         self._counts += weights.sum(0)
 
+    def add_sums(self, sums: Tensor, counts: Tensor, skipped: int = 0) -> None:
+        """Add per-(layer, expert) sums of finite per-token squared gradients, their token counts, and how
+        many non-finite ones the caller skipped: what :meth:`accumulate` adds, summed already (the replay
+        hook sums them over micro-batches and ranks)."""
+        self._sums += sums.to(self._sums)
+        self._counts += counts.to(self._counts)
+        self._nonfinite += skipped
+
     def step(self) -> None:
         """Close the current step: fold its per-token mean into the EMA, then reset the sums.
 
         Entries that saw no token this step keep their previous estimate instead of decaying
         towards zero: an expert nobody routed to has no new evidence, not evidence of zero.
         """
-        self.nonfinite_last_step = int(self._nonfinite)
+        self.nonfinite_last_step = int(self._nonfinite.tolist())  # once per step
         self.nonfinite_total += self.nonfinite_last_step
         self._nonfinite.zero_()
         if self.nonfinite_last_step:
@@ -162,6 +174,8 @@ class FisherTracker:
         self._sums.zero_()
         self._counts.zero_()
         self.steps += 1
+        self._has_estimate = bool((self._updates > 0).any().tolist())
+        self._scores = None
 
     def estimate(self) -> Tensor:
         """Bias-corrected EMA ``[layers, experts]`` (float32), zero where nothing was seen yet."""
@@ -169,7 +183,16 @@ class FisherTracker:
         return torch.where(self._updates > 0, self._ema / correction.clamp(min=1e-300), torch.zeros_like(self._ema)).float()
 
     def scores(self) -> Tensor:
-        """The estimate, normalised as configured: what the ``fisher`` policy ranks by."""
+        """The estimate, normalised as configured: what the ``fisher`` policy ranks by.
+
+        The same tensor until the next :meth:`step` (read-only): its readers may key what they
+        derive of it by the tensor itself.
+        """
+        if self._scores is None or self._scores[0] != self.normalize:
+            self._scores = (self.normalize, self._normalized())
+        return self._scores[1]
+
+    def _normalized(self) -> Tensor:
         estimate = self.estimate()
         if self.normalize == "layer":
             return estimate / estimate.sum(1, keepdim=True).clamp(min=torch.finfo(estimate.dtype).tiny)
@@ -202,6 +225,8 @@ class FisherTracker:
         self._counts = state["counts"].to(device)  # type: ignore[union-attr]
         self._ema = ema.to(device)
         self._updates = state["updates"].to(device)  # type: ignore[union-attr]
+        self._has_estimate = bool((self._updates > 0).any())
+        self._scores = None
 
 
 class GradientCapture:
@@ -270,10 +295,16 @@ def route_scores(estimate: Tensor, routes: Routes) -> Tensor:
     if tuple(estimate.shape) != expected:
         raise FisherError(f"Fisher estimate has shape {tuple(estimate.shape)}: expected [layers, experts]={expected}")
     kept = routes.__dict__.get(_SCORES_KEY)
-    if kept is not None and kept[0].device == estimate.device and torch.equal(kept[0], estimate):
-        return kept[1]
+    if kept is not None:
+        tensor, version, values, score = kept
+        # The same tensor, unchanged (every in-place change bumps its version): known without reading
+        # the device. Another tensor: compared by value (a tracker hands out one tensor per step).
+        if (tensor is estimate and version == estimate._version) or (
+                values.device == estimate.device and torch.equal(values, estimate)):
+            routes.__dict__[_SCORES_KEY] = (estimate, estimate._version, values, score)
+            return score
     score = _route_scores(estimate, routes)
-    routes.__dict__[_SCORES_KEY] = (estimate.clone(), score)  # a cached_property's way onto a frozen dataclass
+    routes.__dict__[_SCORES_KEY] = (estimate, estimate._version, estimate.clone(), score)  # a cached_property's way
     return score
 
 

@@ -28,6 +28,29 @@ class RoutesError(ValueError):
 _NATIVE_FREE_CACHES = ("valid_offsets", "_route_scores")
 
 
+@dataclass(frozen=True)
+class HostLayout:
+    """What the host already knows of a batch's layout: its sequences' boundaries and valid tokens.
+
+    A caller that has read them from the device once (the replay hook, once per micro-batch) hands
+    them to :class:`Routes`, whose checks and counts then read the host's copy instead of the
+    device: on a GPU every such read would wait for the device's queue of kernels.
+    """
+
+    #: ``[sequences + 1]`` token boundaries, as ``Routes.offsets`` holds them.
+    offsets: tuple[int, ...]
+    #: Valid tokens of each sequence.
+    valid_counts: tuple[int, ...]
+
+    @property
+    def valid_bounds(self) -> list[int]:
+        """``[sequences + 1]`` boundaries among the valid tokens (``Routes.valid_offsets`` on the host)."""
+        bounds = [0]
+        for count in self.valid_counts:
+            bounds.append(bounds[-1] + count)
+        return bounds
+
+
 @dataclass(frozen=True, eq=False)
 class Routes:
     """Routing decisions of one batch.
@@ -50,6 +73,9 @@ class Routes:
             score minus its (k+1)-th, recorded with ``native`` (``inf`` where every expert is in
             the top-k). A small margin is a near-tie: where rollout and training numerics flip
             the route most easily.
+        host: optional :class:`HostLayout` of ``offsets`` and ``valid`` that the caller read
+            already: the checks and counts that would read the device read it instead, so that
+            building routes and selecting from them makes a GPU wait for nothing.
 
     ``valid`` must be a bool tensor or an integer tensor of 0s and 1s: a float mask (0.3, NaN)
     has no single meaning, so it is rejected rather than cast. Ids on invalid tokens are never
@@ -65,6 +91,7 @@ class Routes:
     offsets: Tensor | None = None
     ids_checked: bool = False
     native_margin: Tensor | None = None
+    host: HostLayout | None = None
 
     def __post_init__(self) -> None:
         _check_route_tensor("rollout", self.rollout)
@@ -79,7 +106,7 @@ class Routes:
             raise RoutesError(f"topk={topk} > num_experts={self.num_experts}: a route cannot pick more experts than exist")
         if topk < 1 or layers < 1:
             raise RoutesError(f"rollout has shape {tuple(self.rollout.shape)}: expected at least one layer and topk >= 1")
-        if not bool(self.valid.any()):
+        if not (sum(self.host.valid_counts) > 0 if self.host is not None else bool(self.valid.any())):
             raise RoutesError(f"the batch has no valid token (valid is all False over {tokens} tokens)")
         if not self.ids_checked:
             _check_ids("rollout", self.rollout, self.valid, self.num_experts)
@@ -101,8 +128,11 @@ class Routes:
                                                or not self.native_margin.dtype.is_floating_point):
             raise RoutesError(f"native_margin has shape {tuple(self.native_margin.shape)} and dtype "
                               f"{self.native_margin.dtype}: expected float [tokens, layers]=[{tokens}, {layers}]")
+        if self.host is not None and (self.offsets is None or len(self.host.offsets) != self.offsets.shape[0]
+                                      or len(self.host.valid_counts) != self.offsets.shape[0] - 1):
+            raise RoutesError("host holds a layout of other sequences than offsets: expected the host's copy of them")
         if self.offsets is not None:
-            object.__setattr__(self, "offsets", _checked_offsets(self.offsets, tokens))
+            object.__setattr__(self, "offsets", _checked_offsets(self.offsets, tokens, self.host))
         for name in ("valid", "native", "router_logits", "offsets", "native_margin"):
             tensor = getattr(self, name)
             if tensor is not None and tensor.device != self.rollout.device:
@@ -126,7 +156,7 @@ class Routes:
 
     @property
     def num_valid_tokens(self) -> int:
-        return int(self.valid.sum())
+        return sum(self.host.valid_counts) if self.host is not None else int(self.valid.sum())
 
     @property
     def num_valid_routes(self) -> int:
@@ -147,8 +177,24 @@ class Routes:
         """
         if self.offsets is None:
             return None
+        if self.host is not None:
+            return torch.tensor(self.host.valid_bounds, device=self.device)
         before = torch.cat([self.valid.new_zeros(1, dtype=torch.int64), self.valid.cumsum(0)])
         return before[self.offsets]
+
+    @property
+    def valid_bounds(self) -> list[int] | None:
+        """:attr:`valid_offsets` as a list (from the host's copy where there is one)."""
+        if self.host is not None:
+            return self.host.valid_bounds
+        return None if self.valid_offsets is None else self.valid_offsets.tolist()
+
+    @cached_property
+    def valid_rows(self) -> Tensor:
+        """``[valid tokens]`` int64 indices of the valid tokens, in order (``valid.nonzero()``)."""
+        if self.host is not None:  # the count is known: no wait for the device
+            return torch.nonzero_static(self.valid, size=self.num_valid_tokens).squeeze(1)
+        return self.valid.nonzero().squeeze(1)
 
     @cached_property
     def native_differences(self) -> RouteDifferences | None:
@@ -259,8 +305,8 @@ def _checked_valid(name: str, valid: object, shape: tuple[int, ...], context: st
     return valid.bool()
 
 
-def _checked_offsets(offsets: object, tokens: int) -> Tensor:
-    """Sequence boundaries as int64, or an error naming the first broken rule."""
+def _checked_offsets(offsets: object, tokens: int, host: HostLayout | None = None) -> Tensor:
+    """Sequence boundaries as int64, or an error naming the first broken rule (read from ``host`` where given)."""
     if not isinstance(offsets, Tensor):
         raise RoutesError(f"offsets is a {type(offsets).__name__}: expected a torch.Tensor [sequences + 1] of int64")
     if offsets.dim() != 1 or offsets.shape[0] < 2:
@@ -268,16 +314,14 @@ def _checked_offsets(offsets: object, tokens: int) -> Tensor:
     if offsets.dtype not in _INTEGER_DTYPES:
         raise RoutesError(f"offsets has dtype {offsets.dtype}: expected integer token boundaries (int64)")
     offsets = offsets.long()
-    first, last = int(offsets[0]), int(offsets[-1])
+    bounds = list(host.offsets) if host is not None else offsets.tolist()  # one read of the device at most
+    first, last = bounds[0], bounds[-1]
     if first != 0 or last != tokens:
         raise RoutesError(f"offsets run from {first} to {last}: expected cumulative boundaries from 0 to tokens={tokens}")
-    steps = offsets.diff()
-    if bool((steps < 0).any()):
-        s = int((steps < 0).nonzero()[0])
-        raise RoutesError(
-            f"offsets decrease at sequence {s}: offsets[{s}]={int(offsets[s])} > offsets[{s + 1}]={int(offsets[s + 1])}; "
-            "expected non-decreasing cumulative boundaries"
-        )
+    for s, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if end < start:
+            raise RoutesError(f"offsets decrease at sequence {s}: offsets[{s}]={start} > offsets[{s + 1}]={end}; "
+                              "expected non-decreasing cumulative boundaries")
     return offsets
 
 

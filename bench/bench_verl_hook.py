@@ -22,9 +22,17 @@ the same micro-batch's routes, timed right before each row, so that a change of 
 rows does not skew the ratios. Target: at most 10x on one thread, for every engine, policy and
 layout. On a machine shared with other jobs compare ratios only.
 
+Each row also counts, in one more pass with a ``TorchDispatchMode``
+(:class:`ablate.replay.host_reads.OpCounter`), the aten ops the hook runs and those a GPU would
+wait for (``_local_scalar_dense``, ``equal``, ``nonzero``, boolean indexing, ...; and the hook's
+deliberate reads of the device): per router (the routers' phase over the 48 routers) and per
+micro-batch (all three phases). Targets: no sync and at most 8 ops per router; at most 4 syncs per
+micro-batch.
+
     python bench/bench_verl_hook.py [--layers 48] [--experts 128] [--topk 8] [--repeats 15] [--threads 1] [--device cpu]
 
-With ``--device cuda`` the routes live on the GPU, as in verl, and every timing waits for the GPU.
+With ``--device cuda`` the routes live on the GPU, as in verl, every timing waits for the GPU, and
+each row's syncs are counted again by CUDA's own sync debug mode (``torch.cuda.set_sync_debug_mode``).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import torch
 
 from ablate.backends.verl.hook_settings import HookSettings
 from ablate.replay import ReplaySpec
+from ablate.replay.host_reads import OpCounter
 from ablate.replay.seams import CallInfo, split_augmented
 
 LAYOUTS = {"32 x 256": [256] * 32, "3 x 2,731": [2731, 2731, 2730]}
@@ -63,6 +72,23 @@ def median_time(repeats: int, fn: Callable[[], object], setup: Callable[[], obje
         synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
+
+
+def cuda_syncs(device: torch.device, run: Callable[[], object]) -> int | str:
+    """How many times ``run()`` made the host wait for the GPU, by CUDA's sync debug mode ("-" on a CPU)."""
+    if device.type != "cuda":
+        return "-"
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(warning.message) for warning in seen)
 
 
 def synchronize() -> None:
@@ -114,8 +140,9 @@ class MicroBatch:
     def route(self) -> None:
         hook, topk = self.hook, self.topk
         if self.engine == "megatron":
+            block = hook.last_rows  # as the seam: a router given the micro-batch's rows knows which they are
             for layer, routes in enumerate(self.targets):
-                targets = split_augmented(routes, topk)
+                targets = split_augmented(routes, topk, block if routes.shape[0] == block.stop - block.start else None)
                 hook.observe(layer, targets.rows, self.native_of_layer[layer], self.scores)
         else:
             seam = hook.seam
@@ -137,6 +164,19 @@ class MicroBatch:
         self.selected_call()
         self.route()
 
+    def op_counts(self) -> tuple[OpCounter, OpCounter]:
+        """The aten ops and syncs of the routers' phase, and of the whole micro-batch (select, routers, counters)."""
+        router, micro_batch = OpCounter(), OpCounter()
+        self.begin()
+        with micro_batch.counting():
+            self.select()
+        self.pack()
+        with micro_batch.counting(), router.counting():
+            self.route()
+        with micro_batch.counting():
+            self.hook.end_call()
+        return router, micro_batch
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -146,6 +186,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--verbose", action="store_true", help="name each row's syncs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -159,8 +200,10 @@ def main() -> None:
           f"({routes.numel() * 2 / 2**20:.0f} MiB int16) on {device}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} thread(s)")
     print(f"\n{'engine':<9} {'policy':<9} {'layout':<10} {'torch.sum':>10} {'select':>8} {'routers':>8} "
-          f"{'counters':>9} {'hook / torch.sum':>17}")
+          f"{'counters':>9} {'hook / torch.sum':>17} {'ops/router':>10} {'syncs/router':>12} {'ops/mb':>7} "
+          f"{'syncs/mb':>8}")
     worst = 0.0
+    worst_router_ops = worst_router_syncs = worst_syncs = 0
     for engine in ENGINES:
         for name in POLICIES:
             for layout, lengths in LAYOUTS.items():
@@ -172,9 +215,22 @@ def main() -> None:
                 counters = median_time(args.repeats, batch.hook.end_call, batch.routed_call)
                 total = select + routers + counters
                 worst = max(worst, total / baseline)
+                router, micro_batch = batch.op_counts()
+                per_router_ops, per_router_syncs = router.total_ops / args.layers, router.total_syncs / args.layers
+                worst_router_ops = max(worst_router_ops, per_router_ops)
+                worst_router_syncs = max(worst_router_syncs, per_router_syncs)
+                worst_syncs = max(worst_syncs, micro_batch.total_syncs)
                 print(f"{engine:<9} {name:<9} {layout:<10} {baseline * 1e3:>8.2f}ms {select * 1e3:>6.1f}ms "
-                      f"{routers * 1e3:>6.1f}ms {counters * 1e3:>7.1f}ms {total / baseline:>16.1f}x")
+                      f"{routers * 1e3:>6.1f}ms {counters * 1e3:>7.1f}ms {total / baseline:>16.1f}x "
+                      f"{per_router_ops:>10.1f} {per_router_syncs:>12.1f} {micro_batch.total_ops:>7} "
+                      f"{micro_batch.total_syncs:>8}")
+                if args.verbose:
+                    print(f"    syncs: {dict(micro_batch.syncs)}")
+                if device.type == "cuda":  # the same micro-batch, counted by CUDA itself
+                    print(f"    CUDA sync debug mode: {cuda_syncs(device, batch.op_counts)} syncs")
     print(f"\nthe slowest row: {worst:.1f}x torch.sum (target: at most 10x)")
+    print(f"the most per router: {worst_router_ops:.1f} aten ops (target: at most 8), {worst_router_syncs:.1f} syncs "
+          f"(target: 0); the most syncs per micro-batch: {worst_syncs} (target: at most 4)")
 
 
 if __name__ == "__main__":

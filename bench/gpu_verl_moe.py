@@ -10,7 +10,9 @@ the routers, experts and token dispatcher are Megatron's own), it times one trai
   Fisher gradients the routers report, the counts at the end of the call), after one closed
   step (so ``fisher`` has an estimate) and an old-log-prob pass (``mismatch``'s native routes).
 
-It prints each arm's median time and the hook's overhead over ``R3``. verl's router-replay
+It prints each arm's median time, the hook's overhead over ``R3`` and against the forward of the
+same MoE layers (goal: under 2%), and, on CUDA, the host syncs CUDA's own sync debug mode
+(``torch.cuda.set_sync_debug_mode``) counts in one hooked micro-batch beyond verl's R3 alone. verl's router-replay
 modules are loaded without ``verl/__init__`` (which imports Ray and verl's trainer stack), so
 only Megatron-Core, verl, tensordict, transformers and their pure-Python needs must be installed
 next to torch (``bench/gpu/prepare.sh``).
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from bench_verl_hook import LAYOUTS, median_time
+from bench_verl_hook import LAYOUTS, cuda_syncs, median_time
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "verl_tier"))  # megatron_world builds the Megatron MoE block
@@ -139,19 +141,27 @@ def main() -> None:
         RouterReplay.clear_global_indices()
         RouterReplay.clear_global_router_replay_action()
 
-    print(f"\n{'layout':<10} {'arm':<18} {'ms / micro-batch':>17} {'hook overhead':>14}")
+    print(f"\n{'layout':<10} {'arm':<18} {'ms / micro-batch':>17} {'hook overhead':>14} {'of the forward':>15} "
+          f"{'syncs (CUDA)':>13}")
     for layout_name, lengths in LAYOUTS.items():
         batch = micro_batch(lengths, args.layers, args.experts, args.topk, device)
-        plain = median_time(args.repeats, lambda: step(lengths, *batch, None), device)
-        print(f"{layout_name:<10} {'R3 (verl)':<18} {plain * 1e3:>17.1f}")
+        plain = median_time(args.repeats, lambda: step(lengths, *batch, None))
+        forward = median_time(args.repeats, lambda: step(lengths, *batch, None, forward_only=True))
+        plain_syncs = cuda_syncs(device, lambda: step(lengths, *batch, None))
+        print(f"{layout_name:<10} {'R3 (verl)':<18} {plain * 1e3:>17.1f} {'':>14} {'':>15} {plain_syncs:>13}")
         for policy in args.policies.split(","):
             hook = HookSettings(ReplaySpec.of(policy, 0.25, seed=0)).make_hook()
             hook.seam.install_routers()
             step(lengths, *batch, hook, last_update=True)  # one closed step: fisher has an estimate
             step(lengths, *batch, hook, forward_only=True)  # the old-log-prob pass: mismatch's native routes
-            hooked = median_time(args.repeats, lambda: step(lengths, *batch, hook), device)  # updates in that step
+            hooked = median_time(args.repeats, lambda: step(lengths, *batch, hook))  # updates in that step
+            syncs = cuda_syncs(device, lambda: step(lengths, *batch, hook))
             hook.seam.uninstall()
-            print(f"{layout_name:<10} {'ablate ' + policy:<18} {hooked * 1e3:>17.1f} {(hooked - plain) / plain:>13.1%}")
+            # The hook's time against the forward of the same MoE layers (goal: under 2%), and the
+            # syncs CUDA's own sync debug mode saw that verl's R3 alone does not make (goal: at most 4).
+            added = syncs - plain_syncs if isinstance(syncs, int) else syncs
+            print(f"{layout_name:<10} {'ablate ' + policy:<18} {hooked * 1e3:>17.1f} {(hooked - plain) / plain:>13.1%} "
+                  f"{(hooked - plain) / forward:>14.1%} {added:>13}")
     if device.type == "cuda":
         print(f"\npeak GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
     dist.destroy_process_group()

@@ -1,7 +1,8 @@
 """The verl hook's shortcuts give what the long way gives: each is checked against it on one micro-batch.
 
-- a router's mask and validity read from the hook's own selection equal the bits packed into
-  its augmented routes (the VeOmni seam reads the one when its rows are a block, the other else);
+- a router's mask, validity and rows decoded from the column packed into its augmented routes are
+  the hook's selection for those rows, and rows known on the host (a whole micro-batch) are the
+  same rows;
 - the native routes of a native pass, taken whole for the same micro-batch, equal the ones
   stitched sequence by sequence for a regrouped micro-batch;
 - the Fisher route scores are kept on their routes for their estimate only.
@@ -29,7 +30,7 @@ def call_info(tokens: int, forward_only: bool = False) -> CallInfo:
                     num_experts=EXPERTS, layer_columns=tuple(range(LAYERS)))
 
 
-def test_a_routers_mask_from_the_hook_is_the_bits_packed_for_it():
+def test_a_routers_mask_and_rows_known_on_the_host_are_those_packed_for_it():
     hook = HookSettings(ReplaySpec(PolicySpec("random"), 0.4, seed=3), engine="veomni").make_hook()
     lengths = [(0, 7, 19), (0, 11)]  # two micro-batches of a call, as offsets
     hook.begin_call(call_info(30))
@@ -38,17 +39,18 @@ def test_a_routers_mask_from_the_hook_is_the_bits_packed_for_it():
         routes = routes_of(rows, seed=rows)
         r3_mask = torch.arange(rows) % 5 > 0  # tokens outside R3: not valid
         augmented = hook.augmented_routes(0, routes, r3_mask, torch.tensor(bounds), counted=True)
-        layers = split_layers(list(augmented.to(torch.int64).unbind(1)), TOPK)
-        block = layers[0].rows
-        assert isinstance(block, slice)
-        for column, layer in enumerate(layers):
-            mask, valid = hook.replay_bits(column, block)
-            assert torch.equal(mask, layer.mask) and torch.equal(valid, layer.valid)
-            part = slice(block.start + 2, block.stop - 1)  # a sequence-parallel rank's share of the rows
-            mask, valid = hook.replay_bits(column, part)
-            assert torch.equal(mask, layer.mask[2:-1]) and torch.equal(valid, layer.valid[2:-1])
-    assert hook.replay_bits(0, slice(15, 22)) is None  # rows of two micro-batches
-    assert int(torch.stack([hook.replay_bits(c, slice(0, 19))[0] for c in range(LAYERS)]).sum()) > 0
+        targets = list(augmented.to(torch.int64).unbind(1))
+        block = hook.last_rows  # the rows of the micro-batch just augmented, known on the host
+        assert block.stop - block.start == rows
+        decoded, known = split_layers(targets, TOPK), split_layers(targets, TOPK, block)
+        selection = hook._call.selections[len(hook._call.selections) - 1]
+        for column, (layer, shortcut) in enumerate(zip(decoded, known)):
+            ids = layer.rows  # row id + 1, decoded from the packed column
+            assert torch.equal(ids, torch.arange(block.start + 1, block.stop + 1)) and shortcut.rows == block
+            assert torch.equal(layer.mask.reshape(-1), selection.mask[:, column]) and torch.equal(layer.valid, selection.valid)
+            part = layer.rows[2:-1]  # a sequence-parallel rank's share of the rows: their ids
+            assert torch.equal(part - 1, torch.arange(block.start + 2, block.stop - 1))
+    assert int(torch.stack([selection.mask[:, c] for c in range(LAYERS)]).sum()) > 0
 
 
 def test_native_routes_taken_whole_equal_those_stitched_sequence_by_sequence():

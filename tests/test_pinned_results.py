@@ -25,12 +25,11 @@ import pytest
 import torch
 
 from ablate import Routes, get_policy
-from ablate.diagnostics import expert_load, route_counts
+from ablate.diagnostics import ROUTE_COUNTS, expert_load, route_counts
 from ablate.fisher import route_scores
 from ablate.policies import PolicySpec
 from ablate.replay import ReplaySession, ReplaySpec
 from ablate.replay.batch import counted_routes, select_micro_batch
-from ablate.replay.session import new_counts
 
 POLICIES = {
     "random": ("random", {}),
@@ -187,12 +186,13 @@ def hook_results() -> dict[str, tuple[str, str]]:
         session.fisher_scores = lambda: estimate  # every policy's Fisher mass against the same estimate
         extra = {"native": native, "has_native": known} if name == "mismatch" else {}
         selection = select_micro_batch(session, rollout, r3_mask, offsets, experts, **extra)
-        parts = [selection.mask, selection.valid, selection.unrecorded, session.counts["fisher_fallback"] > 0,
-                 selection.keys]
+        fallback = session.counts is not None and session.read_counts(session.counts)["fisher_fallback"] > 0
+        parts = [selection.mask, selection.valid, int(selection.unrecorded), fallback, selection.keys]
         for buffer_name, buffer in (("observed", observed), ("partly-observed", partly_observed)):
-            counts = new_counts()  # native ids, -1: none reported
-            session.count(counted_routes(selection, buffer - 1, experts), selection.mask,
-                          unrecorded=selection.unrecorded, into=counts)
+            into = session.new_counts()
+            routes, unobserved = counted_routes(selection, buffer - 1, experts)  # native ids, -1: none reported
+            session.count(routes, selection.mask, unrecorded=selection.unrecorded, unobserved=unobserved, into=into)
+            counts = {key: value for key, value in session.read_counts(into).items() if key in ROUTE_COUNTS}
             results[f"hook/{label}/{buffer_name}"] = (
                 digest(*parts, counts), f"{selection.unrecorded} unrecorded; {summary(selection.mask, counts)}")
     return results

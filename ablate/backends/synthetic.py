@@ -52,7 +52,6 @@ from ablate.config import choice_value
 from ablate.diagnostics import expert_load, load_metrics, mismatch_metrics
 from ablate.fisher import GradientCapture, expert_output_sq_grads, linear_param_sq_grads, router_logit_sq_grads
 from ablate.replay import ReplaySession
-from ablate.replay.session import new_counts
 from ablate.routes import Routes, native_margin
 from ablate.seeding import stream, stream_seed
 
@@ -423,10 +422,10 @@ def score_probes(
         mask = session.select(routes, probe=probe)
         logits, _, native_in_probe = model(batch.inputs, replay=Replay(batch.rollout_routes, mask))
         logp = token_log_probs(logits, batch.targets)[:, batch.response]
-        counts = new_counts()
+        counts = session.new_counts()
         session.count(Routes(rollout=batch.rollout_routes, valid=batch.valid, num_experts=num_experts,
                              native=native_in_probe), mask, into=counts)
-        session.add_probe(probe.probe, counts, mismatch_metrics(logp, batch.rollout_log_probs, every_token,
+        session.add_probe(probe.probe, session.read_counts(counts), mismatch_metrics(logp, batch.rollout_log_probs, every_token,
                                                              extreme_threshold=extreme_threshold))
 
 

@@ -42,45 +42,69 @@ def route_counts(routes: Routes, mask: Tensor, *, fisher_scores: Tensor | None =
     ``fisher_mass`` and ``fisher_total`` are the Fisher route scores (``sum_{e in route} F[l, e]``)
     of the replayed and of all valid routes; 0 without ``fisher_scores``.
     """
-    every_token = bool(routes.valid.all())
+    return dict(zip(ROUTE_COUNTS, route_count_tensor(routes, mask, fisher_scores=fisher_scores).tolist()))
+
+
+def route_count_tensor(routes: Routes, mask: Tensor, *, fisher_scores: Tensor | None = None,
+                       observed: Tensor | None = None) -> Tensor:
+    """:func:`route_counts` as a float64 ``[len(ROUTE_COUNTS)]`` tensor on the routes' device, read nowhere.
+
+    A caller that adds up many batches (the replay hook, every micro-batch of a step) keeps the sum
+    on the device and reads it once. The one read of the device left is the sparse set of routes
+    that differ from their native route (:attr:`Routes.native_differences`), a ``nonzero``.
+    ``observed`` (a bool scalar): whether the native route of every valid route is known; where it
+    is False, the ``routing/`` counts are left out rather than compared against a made-up route.
+    """
+    host = routes.host
+    every_token = host is not None and sum(host.valid_counts) == routes.num_tokens
     mask = mask if every_token else mask & routes.valid[:, None]
-    counts = dict.fromkeys(ROUTE_COUNTS, 0.0)
-    counts["valid_routes"] = float(routes.num_valid_routes)
-    counts["replayed_routes"] = float(mask.sum())
+    device = routes.device
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    valid_routes = (torch.tensor(float(routes.num_valid_routes), dtype=torch.float64, device=device) if host is not None
+                    else routes.valid.sum(dtype=torch.float64) * routes.num_layers)
+    replayed = mask.sum(dtype=torch.float64)
+    counts = dict.fromkeys(ROUTE_COUNTS, zero)
+    counts.update(valid_routes=valid_routes, replayed_routes=replayed)
     differences = routes.native_differences
     if differences is not None:
-        counts.update(compared_routes=counts["valid_routes"], compared_tokens=float(routes.num_valid_tokens),
-                      compared_replayed=counts["replayed_routes"])
-        counts.update(_mismatch_counts(routes, mask, differences, every_token))
+        valid_tokens = valid_routes / routes.num_layers
+        compared = {"compared_routes": valid_routes, "compared_tokens": valid_tokens, "compared_replayed": replayed,
+                    **_mismatch_counts(routes, mask, differences, every_token, valid_routes)}
+        if observed is not None:
+            compared = {key: value * observed for key, value in compared.items()}
+        counts.update(compared)
     if fisher_scores is not None:
         score = route_scores(fisher_scores, routes)  # 0 on invalid tokens; read-only (kept on routes)
-        counts["fisher_total"] = float(score.sum(dtype=torch.float64))
-        counts["fisher_mass"] = float(torch.where(mask, score, 0.0).sum(dtype=torch.float64))
-    return counts
+        counts["fisher_total"] = score.sum(dtype=torch.float64)
+        counts["fisher_mass"] = torch.where(mask, score, 0.0).sum(dtype=torch.float64)
+    return torch.stack([counts[key] for key in ROUTE_COUNTS])
 
 
-def _mismatch_counts(routes: Routes, mask: Tensor, differences: RouteDifferences, every_token: bool) -> dict[str, float]:
+def _mismatch_counts(routes: Routes, mask: Tensor, differences: RouteDifferences, every_token: bool,
+                     valid_routes: Tensor) -> dict[str, Tensor]:
     """The mismatch counts of the valid routes, read from the few routes that differ from their native route.
 
     Every route not in ``differences`` shares all ``topk`` experts: it is neither mismatched nor
-    overridden, and adds ``topk`` shared experts.
+    overridden, and adds ``topk`` shared experts. Counted with weights, never by selecting the
+    mismatched entries (a boolean index would read their number back from the device).
     """
     topk, layers = routes.topk, routes.num_layers
-    mismatched = differences.overlap < topk
-    if not every_token:
-        mismatched &= routes.valid[differences.index.div(layers, rounding_mode="floor")]
-    index, overlap = differences.index[mismatched], differences.overlap[mismatched]
-    # ``index`` ascends, so the mismatched routes of one token are neighbours: count the token changes.
+    index, overlap = differences.index.long(), differences.overlap
     tokens = index.div(layers, rounding_mode="floor")
-    mismatched_tokens = int((tokens[1:] != tokens[:-1]).sum()) + 1 if tokens.numel() else 0
-    overridden = float(mask.reshape(-1)[index].sum())
-    missing = index.numel() * topk - float(overlap.sum(dtype=torch.float64))  # experts the mismatches do not share
+    mismatched = overlap < topk
+    if not every_token:
+        mismatched &= routes.valid[tokens]
+    overridden = (mask.reshape(-1)[index] & mismatched).sum(dtype=torch.float64)
+    # A token with any mismatched route: its flag set by the largest of its entries' flags.
+    flags = torch.zeros(routes.num_tokens, dtype=torch.uint8, device=index.device)
+    flags.scatter_reduce_(0, tokens, mismatched.to(torch.uint8), reduce="amax")
+    missing = torch.where(mismatched, topk - overlap, 0).sum(dtype=torch.float64)  # experts the mismatches do not share
     return {
         "overridden_routes": overridden,
-        "mismatched_routes": float(index.numel()),
-        "mismatched_tokens": float(mismatched_tokens),
+        "mismatched_routes": mismatched.sum(dtype=torch.float64),
+        "mismatched_tokens": flags.sum(dtype=torch.float64),
         "mismatched_replayed": overridden,
-        "shared_experts": routes.num_valid_routes * topk - missing,
+        "shared_experts": valid_routes * topk - missing,
     }
 
 

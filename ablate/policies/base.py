@@ -9,6 +9,7 @@ import inspect
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -121,9 +122,9 @@ class ReplayPolicy(ABC):
                 return empty
             if budget == 1:
                 return routes.valid_routes().clone()
-            bounds = routes.valid_offsets.tolist()
-            draws = Draws(generators, bounds, routes.num_layers, routes.device)
-            quotas = per_sequence_quotas(budget, routes, layer_shifts=draws.layer_shifts() if self.per_layer else None)
+            draws = Draws(generators, routes.valid_bounds, routes.num_layers, routes.device)
+            shifts = draws.layer_shifts(on_host=routes.host is not None) if self.per_layer else None
+            quotas = per_sequence_quotas(budget, routes, layer_shifts=shifts)
         else:
             quotas = global_quotas(budget, routes, per_layer=self.per_layer)
             if quotas.total == 0:
@@ -131,7 +132,7 @@ class ReplayPolicy(ABC):
             if quotas.total == routes.num_valid_routes:
                 return routes.valid_routes().clone()
             draws = Draws(generators, quotas.bounds, routes.num_layers, routes.device)
-        rows = routes.valid.nonzero().squeeze(1)
+        rows = routes.valid_rows
         chosen = self.choose(routes, rows, quotas, draws)
         if rows.numel() == routes.num_tokens:
             return chosen  # every token is valid: the valid rows are the mask itself
@@ -205,7 +206,7 @@ class BudgetViolation(PolicyError):
 
 
 def replay_mask(policy: ReplayPolicy, routes: Routes, budget: float | None = None, *, generator: Generators = None,
-                per_sequence: bool = False) -> Tensor:
+                per_sequence: bool = False, checks: list[MaskCheck] | None = None) -> Tensor:
     """``policy.select(...)``, checked: the mask every backend replays (and every probe scores).
 
     Budget matching is what lets an ablation credit a difference to the selection, and a policy
@@ -214,42 +215,87 @@ def replay_mask(policy: ReplayPolicy, routes: Routes, budget: float | None = Non
     a ``[tokens, layers]`` bool tensor, never True on an invalid token, with exactly the budget's
     routes (in each sequence with ``per_sequence``; in each layer with ``per_layer`` over the
     batch). Anything else raises :class:`BudgetViolation` naming the policy, the budget and the count.
+
+    Where the caller passes a list as ``checks``, the count is not read back here: its
+    :class:`MaskCheck` is appended, for the caller to read with others, once (the replay hook does,
+    once per training step, so that a GPU waits for no mask); its shape and type are checked at once.
     """
     budget = policy.resolve_budget(budget)
     mask = policy.select(routes, budget, generator=generator, per_sequence=per_sequence)
-    where = f"policy={policy.name} ({type(policy).__qualname__}) at budget={budget:g}"
+    check = MaskCheck(f"policy={policy.name} ({type(policy).__qualname__}) at budget={budget:g}", routes.num_layers)
     shape = (routes.num_tokens, routes.num_layers)
     if not isinstance(mask, Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != shape:
         got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, Tensor) else type(mask).__name__
-        raise BudgetViolation(f"{where} returned a mask of {got}: expected torch.bool [tokens, layers]={list(shape)}")
-    if not bool(routes.valid.all()) and bool((mask & ~routes.valid[:, None]).any()):
-        raise BudgetViolation(f"{where} replayed routes of invalid (padding) tokens: expected valid routes only")
+        raise BudgetViolation(f"{check.where} returned a mask of {got}: expected torch.bool [tokens, layers]={list(shape)}")
+    check.found = _violation(routes, mask, budget, per_sequence, bool(getattr(policy, "per_layer", False)))
+    if checks is None:
+        check.raise_if_broken(check.found.tolist())
+    else:
+        checks.append(check)
+    return mask
+
+
+#: What :func:`_violation` found: nothing, routes of invalid tokens, a sequence's, the batch's or a layer's count.
+_FINE, _INVALID, _SEQUENCE, _TOTAL, _LAYER = range(5)
+
+
+@dataclass
+class MaskCheck:
+    """A mask's budget check: ``found`` holds, on the mask's device, the first broken promise
+    (``[kind, index, realized, expected, valid routes]``, int64), until :meth:`raise_if_broken` reads it."""
+
+    where: str
+    layers: int
+    found: Tensor | None = None
+
+    def raise_if_broken(self, found: list[int]) -> None:
+        kind, index, realized, expected, valid = found
+        tail = "(ablate counts the budget; a policy only ranks routes)"
+        if kind == _INVALID:
+            raise BudgetViolation(f"{self.where} replayed routes of invalid (padding) tokens: expected valid routes only")
+        if kind == _SEQUENCE:
+            raise BudgetViolation(f"{self.where} replayed {realized} routes in sequence {index}: expected exactly "
+                                  f"{expected}, floor(b * N_s + 0.5) of its {valid} valid routes {tail}")
+        if kind == _TOTAL:
+            raise BudgetViolation(f"{self.where} replayed {realized} of {valid} valid routes: expected exactly "
+                                  f"{expected}, floor(b * N + 0.5) {tail}")
+        if kind == _LAYER:
+            raise BudgetViolation(f"{self.where} with per_layer=true replayed {realized} routes in layer {index}: "
+                                  f"expected exactly its quota {expected}")
+
+
+def _violation(routes: Routes, mask: Tensor, budget: float, per_sequence: bool, per_layer: bool) -> Tensor:
+    """The first broken promise of ``mask``, as :class:`MaskCheck` holds it, computed on the mask's device."""
+    device, layers = mask.device, routes.num_layers
+
+    def first(kind: int, bad: Tensor, realized: Tensor, expected: Tensor, valid: Tensor) -> Tensor:
+        """``[kind, index, realized, expected, valid]`` of the first ``bad`` group, kind 0 where none is."""
+        index = bad.to(torch.uint8).argmax().reshape(1)  # indexed with a tensor: an int would be read back
+        row = [index, *(values.reshape(-1).index_select(0, index) for values in (realized, expected, valid))]
+        return torch.cat([torch.where(bad.any(), kind, _FINE).reshape(1), *(part.long() for part in row)])
+
+    invalid = (mask & ~routes.valid[:, None]).any()
+    none = torch.zeros(1, dtype=torch.long, device=device)
+    found = [first(_INVALID, invalid.reshape(1), none, none, none)]
     if per_sequence:
         assert routes.offsets is not None  # select() refused per_sequence without offsets
         before = torch.cat([mask.new_zeros(1, dtype=torch.long), mask.sum(1).cumsum(0)])  # routes before each token
-        offsets = routes.offsets.to(mask.device)
+        offsets = routes.offsets.to(device)
         realized = before[offsets[1:]] - before[offsets[:-1]]
-        valid_tokens = routes.valid_offsets.diff()
-        expected = sequence_counts(budget, valid_tokens, routes.num_layers).to(mask.device)
-        if not torch.equal(realized, expected):
-            seq = int((realized != expected).nonzero()[0])
-            raise BudgetViolation(f"{where} replayed {int(realized[seq])} routes in sequence {seq}: expected exactly "
-                                  f"{int(expected[seq])}, floor(b * N_s + 0.5) of its "
-                                  f"{int(valid_tokens[seq]) * routes.num_layers} valid routes (ablate counts the budget; "
-                                  "a policy only ranks routes)")
-        return mask
-    realized, expected = int(mask.sum()), count_for(budget, routes.num_valid_routes)
-    if realized != expected:
-        raise BudgetViolation(f"{where} replayed {realized} of {routes.num_valid_routes} valid routes: expected exactly "
-                              f"{expected}, floor(b * N + 0.5) (ablate counts the budget; a policy only ranks routes)")
-    if getattr(policy, "per_layer", False):
-        quotas = layer_quotas(expected, routes.num_layers, routes.num_valid_tokens, device=mask.device)
-        per_layer = mask.sum(0)
-        if not torch.equal(per_layer, quotas):
-            layer = int((per_layer != quotas).nonzero()[0])
-            raise BudgetViolation(f"{where} with per_layer=true replayed {int(per_layer[layer])} routes in layer {layer}: "
-                                  f"expected exactly its quota {int(quotas[layer])}")
-    return mask
+        valid_tokens = routes.valid_offsets.diff().to(device)
+        expected = sequence_counts(budget, valid_tokens, layers).to(device)
+        found.append(first(_SEQUENCE, realized != expected, realized, expected, valid_tokens * layers))
+    else:
+        valid, count = routes.num_valid_routes, count_for(budget, routes.num_valid_routes)
+        realized, expected = mask.sum().reshape(1), torch.tensor([count], device=device)
+        found.append(first(_TOTAL, realized != expected, realized, expected, torch.tensor([valid], device=device)))
+        if per_layer:
+            quotas = layer_quotas(count, layers, routes.num_valid_tokens, device=device)
+            per_layer_count = mask.sum(0)
+            found.append(first(_LAYER, per_layer_count != quotas, per_layer_count, quotas, quotas))
+    # The first of them that found something (kinds in the order the promises are checked).
+    stacked = torch.stack(found)
+    return stacked.index_select(0, (stacked[:, 0] != _FINE).to(torch.uint8).argmax().reshape(1)).reshape(-1)
 
 
 _REGISTRY: dict[str, type[ReplayPolicy]] = {}

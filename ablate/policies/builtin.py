@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -106,7 +107,7 @@ class UniformReplay(ReplayPolicy):
             starts = draws.uniform64(layers)[0]
             offsets = draws.uniform64(bounds.shape[0] - 1, layers)[0]
             cells = allocate_to_sequences(quotas.counts[0], bounds, starts)
-        return spread_in_sequences(cells, bounds, offsets, rows.numel())
+        return spread_in_sequences(cells, bounds, offsets, rows.numel(), int(quotas.host_counts.sum()))
 
     def route_keys(self, routes: Routes, rows: Tensor, draws: Draws) -> None:
         return None  # without sequence boundaries: a simple random sample per layer
@@ -129,8 +130,9 @@ def allocate_to_sequences(layer_quotas: Tensor, bounds: Tensor, starts: Tensor) 
     return below.diff(dim=0)
 
 
-def spread_in_sequences(cells: Tensor, bounds: Tensor, offsets: Tensor, valid_tokens: int) -> Tensor:
-    """``[valid tokens, layers]`` mask replaying ``cells[s, l]`` evenly spaced positions of sequence ``s``.
+def spread_in_sequences(cells: Tensor, bounds: Tensor, offsets: Tensor, valid_tokens: int, total: int) -> Tensor:
+    """``[valid tokens, layers]`` mask replaying ``cells[s, l]`` evenly spaced positions of sequence ``s``
+    (``total`` of them, known on the host).
 
     The positions are ``floor((i * V_s + w) / c)`` for ``i < c = cells[s, l]``, with
     ``w = floor(offsets[s, l] * V_s)``: spaced by ``V_s / c >= 1``, so distinct, and each valid
@@ -140,7 +142,7 @@ def spread_in_sequences(cells: Tensor, bounds: Tensor, offsets: Tensor, valid_to
     device = bounds.device
     counts = cells.to(device).reshape(-1)
     sizes = bounds.diff()
-    cell = torch.repeat_interleave(torch.arange(counts.shape[0], device=device), counts)
+    cell = torch.repeat_interleave(torch.arange(counts.shape[0], device=device), counts, output_size=total)
     i = torch.arange(cell.shape[0], device=device) - (torch.cumsum(counts, 0) - counts)[cell]
     sequence, layer = cell.div(layers, rounding_mode="floor"), cell % layers
     size = sizes[sequence]
@@ -211,6 +213,8 @@ class FisherReplay(ReplayPolicy):
         self.tau = float(tau)
         self.fisher = fisher
         self.fixed_scores = None if scores is None else _checked_scores(scores)
+        #: The last estimate read and whether it was usable (a tracker's is the same tensor for a step).
+        self._usable: tuple[Tensor, int, bool] | None = None
 
     def current_scores(self) -> Tensor | None:
         """The ``[layers, experts]`` estimate this call ranks by, or None when there is no usable one."""
@@ -220,9 +224,12 @@ class FisherReplay(ReplayPolicy):
             estimate = self.fisher.scores()
         else:
             return None
-        if not bool(torch.isfinite(estimate).all()) or not bool((estimate > 0).any()):
-            return None
-        return estimate
+        known = self._usable
+        if known is None or known[0] is not estimate or known[1] != estimate._version:
+            values = estimate.detach().cpu().numpy()  # [layers, experts]: read once per estimate, not per selection
+            usable = bool(np.isfinite(values).all() and (values > 0).any())
+            known = self._usable = (estimate, estimate._version, usable)
+        return estimate if known[2] else None
 
     def route_keys(self, routes: Routes, rows: Tensor, draws: Draws) -> Tensor | None:
         estimate = self.current_scores()

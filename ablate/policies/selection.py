@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -54,12 +55,15 @@ class Draws:
             raise ValueError(f"{len(self.generators)} groups have a generator each: there is no single generator")
         return self.generators[0]
 
-    def _each(self, draw: Callable[[torch.Generator | None, int, torch.device], Tensor]) -> Tensor:
-        """``draw(generator, group, device)`` for every group in order, concatenated on the routes' device."""
+    def _each(self, draw: Callable[[torch.Generator | None, int, torch.device], Tensor], *,
+              on_host: bool = False) -> Tensor:
+        """``draw(generator, group, device)`` for every group in order, concatenated on the routes' device
+        (``on_host``: where the generators drew, for a caller that plans on the host with them)."""
         parts = []
         for group, generator in enumerate(self.generators):
             parts.append(draw(generator, group, self.device if generator is None else generator.device))
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(self.device)
+        joined = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return joined if on_host else joined.to(self.device)
 
     def uniform(self) -> Tensor:
         """``[valid tokens, layers]`` U[0, 1) float32 noise, one number per valid route."""
@@ -73,9 +77,10 @@ class Draws:
         """``[groups, *shape]`` U[0, 1) float64 noise: ``shape`` numbers per group."""
         return self._each(lambda g, group, device: torch.rand((1, *shape), generator=g, device=device, dtype=torch.float64))
 
-    def layer_shifts(self) -> Tensor:
+    def layer_shifts(self, *, on_host: bool = False) -> Tensor:
         """``[groups]`` int64 in ``[0, layers)``: the rotation of each group's layer quotas."""
-        return self._each(lambda g, group, device: torch.randint(self.num_layers, (1,), generator=g, device=device))
+        return self._each(lambda g, group, device: torch.randint(self.num_layers, (1,), generator=g, device=device),
+                          on_host=on_host)
 
     def tie_breaks(self) -> Tensor:
         """``[valid tokens, layers]`` int32 of 31 random bits, one per valid route."""
@@ -158,33 +163,36 @@ def segmented_top_n(keys: Tensor | None, quotas: Quotas, draws: Draws) -> Tensor
         ).reshape(-1)
     del tie_breaks
     chosen = torch.zeros(routes + 1, dtype=torch.bool, device=device)
-    counts = quotas.counts.reshape(-1)
-    sequence_start = torch.tensor(quotas.bounds[:-1], device=device)
-    sequence_size = torch.tensor(draws.sizes, device=device)
+    # The layout of the groups is planned on the host (their sizes and counts are known there, or read
+    # once): only the rows' contents and the thresholds are the device's work.
+    counts = quotas.host_counts.reshape(-1).astype(np.int64)
+    sequence_start = np.asarray(quotas.bounds[:-1], dtype=np.int64)
+    sequence_size = np.asarray(draws.sizes, dtype=np.int64)
     if quotas.per_layer:  # group (s, l): valid tokens of s at layer l, every layers-th route
-        start = (sequence_start[:, None] * layers + torch.arange(layers, device=device)).reshape(-1)
-        size = sequence_size.repeat_interleave(layers)
+        start = (sequence_start[:, None] * layers + np.arange(layers)).reshape(-1)
+        size = sequence_size.repeat(layers)
         stride = layers
     else:  # group s: all routes of s, contiguous
         start, size, stride = sequence_start * layers, sequence_size * layers, 1
     for chunk in group_chunks(size.tolist()):
-        groups = torch.tensor(chunk, device=device)
-        n, group_size = counts[groups, None], size[groups, None]
+        n, group_size = counts[chunk, None], size[chunk, None]
         k = int(n.max())
         if k == 0:
             continue
         lifted = group_size + (k - n)
         width = int(lifted.max())
+        n, group_size, lifted, first = (torch.from_numpy(a).to(device) for a in (n, group_size, lifted, start[chunk, None]))
         column = torch.arange(width, device=device)
         real = column < group_size
-        index = torch.where(real, start[groups, None] + column * stride, routes)
+        index = torch.where(real, first + column * stride, routes)
         rows = packed[index]
         rows.masked_fill_(~real & (column < lifted), _ABOVE_ALL)
         threshold = rows.topk(k, dim=1, sorted=False).values.min(1, keepdim=True).values
         pick = (rows >= threshold) & real
+        # Equal packed keys at a threshold (surplus > 0): keep the first by position. Without a
+        # surplus this changes nothing; it runs anyway, so that no count is read back to decide.
         surplus = pick.sum(1, keepdim=True) - n
-        if bool((surplus > 0).any()):  # equal packed keys at a threshold: keep the first by position
-            tied = pick & (rows == threshold)
-            pick &= ~tied | (tied.cumsum(1) <= tied.sum(1, keepdim=True) - surplus)
+        tied = pick & (rows == threshold)
+        pick &= ~tied | (tied.cumsum(1) <= tied.sum(1, keepdim=True) - surplus)
         chosen.index_put_((index,), pick)  # padding writes only to the spare slot
     return chosen[:routes].reshape(tokens, layers)

@@ -26,7 +26,6 @@ each router's native top-k, and applies its masks. The hook drives the cell's
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -35,9 +34,9 @@ from torch import Tensor
 
 from ablate.probes import is_probed
 from ablate.replay import ranks
-from ablate.replay.batch import MicroBatchSelection, counted_routes, select_micro_batch, sequence_keys
+from ablate.replay.batch import MicroBatchSelection, counted_routes, plan_micro_batch, select_micro_batch
 from ablate.replay.seams import MICRO_BATCHES_KEY, CallInfo, EngineSeam, augment_routes
-from ablate.replay.session import ProbeRun, ReplaySession, new_counts
+from ablate.replay.session import ProbeRun, ReplaySession
 from ablate.replay.spec import ReplaySpec
 from ablate.routes import native_margin
 
@@ -47,12 +46,13 @@ class _Call:
     """One ``forward_backward_batch`` call: its micro-batches in the call's token order."""
 
     info: CallInfo
-    #: ``[route layers, tokens, topk]`` native expert id + 1 written by this rank's routers (0: not here),
-    #: layer-major: each router writes one block of rows.
+    #: ``[1 + tokens, route layers, topk]`` native expert ids written by this rank's routers (-1: not
+    #: here), token-major as the rollout's routes, so that counting compares the two as they are. Row
+    #: ``1 + t`` is token ``t`` of the call; row 0 takes what routers write for rows the engine padded.
     native: Tensor
     #: a forward that replays nothing, run only to record native routes (``needs_native_routes``).
     native_pass: bool = False
-    #: ``[route layers, tokens]`` native margins (``ablate.routes.native_margin``) written with ``native``.
+    #: ``[1 + tokens, route layers]`` native margins (``ablate.routes.native_margin``) written with ``native``.
     native_margin: Tensor | None = None
     starts: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
@@ -84,19 +84,14 @@ class _Call:
     def rows_of(self, index: int) -> slice:
         return slice(self.starts[index], self.starts[index] + self.rows[index])
 
-    def token_major(self, layer_major: Tensor, index: int, *, minus: int = 0) -> Tensor:
-        """Micro-batch ``index``'s MoE columns of a layer-major buffer, ``[rows, MoE layers, ...]``, less ``minus``.
-
-        Copied token-major: the counters compare it with the rollout's routes slot by slot, which
-        costs more on a transposed view than the one copy; ``minus`` is taken off the copy in place
-        (``minus=1`` turns the buffer's native id + 1 into the id, -1 where no router reported one).
-        """
+    def part(self, buffer: Tensor, index: int) -> Tensor:
+        """Micro-batch ``index``'s MoE columns of a buffer, ``[rows, MoE layers, ...]`` (a view where every column is one)."""
+        rows = self.rows_of(index)
+        part = buffer[rows.start + 1:rows.stop + 1]
         columns = self.info.moe_columns
-        part = layer_major[:, self.rows_of(index)]
-        if len(columns) != layer_major.shape[0]:
-            part = part[columns]
-        copy = part.transpose(0, 1).clone(memory_format=torch.contiguous_format)  # a copy even when contiguous
-        return copy.sub_(minus) if minus else copy
+        if len(columns) != buffer.shape[1]:
+            part = part.index_select(1, torch.tensor(columns, device=part.device))
+        return part
 
 
 @dataclass(frozen=True)
@@ -145,6 +140,7 @@ class ReplayMaskHook:
         self._probes_need_native = any(spec.probe_spec(probe).policy_class.needs_native_routes for probe in spec.probes)
         #: the cell's session, built at the first call, once the model's layers and experts are known.
         self.session: ReplaySession | None = None
+        self.last_rows = slice(0, 0)
         self._call: _Call | None = None
         #: each sequence's native routes of the step's native pass: its micro-batch's, and its rows there.
         self._native_routes: dict[bytes, tuple[_KeptNative, int, int]] = {}
@@ -203,9 +199,9 @@ class ReplayMaskHook:
     def begin_call(self, info: CallInfo, *, native_pass: bool = False, probe: ProbeRun | None = None) -> None:
         if self.session is None:
             self.session = ReplaySession(self.spec, len(info.moe_columns), info.num_experts, info.topk)
-        native = torch.zeros(info.route_layers, info.num_tokens, info.topk, dtype=torch.int16,
-                             device=ranks.collective_device())
-        margin = (torch.zeros(info.route_layers, info.num_tokens, device=ranks.collective_device())
+        native = torch.full((1 + info.num_tokens, info.route_layers, info.topk), -1, dtype=torch.int16,
+                            device=ranks.collective_device())
+        margin = (torch.zeros(1 + info.num_tokens, info.route_layers, device=ranks.collective_device())
                   if native_pass else None)
         self._call = _Call(info=info, native=native, native_pass=native_pass, native_margin=margin, probe=probe)
 
@@ -226,15 +222,14 @@ class ReplayMaskHook:
         if call.info.forward_only and call.probe is None:
             return None
         native = self.seam.assemble(call.native)
-        counts = new_counts() if call.probe is not None else None
+        session = self.session
+        counts = session.new_counts(native.device) if call.probe is not None else None
         for index in call.counted:
             selection = call.selections[index]
-            routes = counted_routes(selection, call.token_major(native, index, minus=1), self.session.num_experts)
-            self.session.count(routes, selection.mask, unrecorded=selection.unrecorded, into=counts)
+            routes, unobserved = counted_routes(selection, call.part(native, index), session.num_experts)
+            session.count(routes, selection.mask, unrecorded=selection.unrecorded, unobserved=unobserved, into=counts)
         if counts is not None:  # a probe pass: its counts, summed over the world, for add_probe
-            names = sorted(counts)
-            return dict(zip(names, ranks.sum_over_world(torch.tensor([counts[k] for k in names],
-                                                                     dtype=torch.float64)).tolist()))
+            return session.read_counts(counts, ranks.sum_over_world)
         return self._close_step() if call.info.last_update else None
 
     def _close_step(self) -> dict[str, float]:
@@ -260,6 +255,7 @@ class ReplayMaskHook:
         """
         call = self._call
         index = call.micro_batch(chunk, rollout.shape[0])
+        self.last_rows = call.rows_of(index)
         selection = call.selections.get(index)
         if selection is None:
             selection = call.selections[index] = self._select(call, rollout, r3_mask, offsets)
@@ -271,51 +267,26 @@ class ReplayMaskHook:
             mask[:, call.info.moe_columns] = selection.mask
         return augment_routes(rollout, mask, selection.valid, call.starts[index])
 
-    def replay_bits(self, column: int, rows: slice) -> tuple[Tensor, Tensor] | None:
-        """``[rows]`` the mask and the validity :meth:`augmented_routes` packed for route column
-        ``column`` of a block of rows in the call's token order (None outside a call, or for rows
-        of no single micro-batch).
-
-        The same bits as the packed column's, read from the selection itself: a short strided read
-        of the ``[tokens, layers]`` mask and a view of the ``[tokens]`` validity, where decoding them
-        from verl's per-layer views of the augmented routes reads a cache line per row.
-        """
-        call = self._call
-        index = bisect.bisect_right(call.starts, rows.start) - 1 if call is not None else -1
-        selection = call.selections.get(index) if index >= 0 else None
-        if selection is None or rows.stop > call.starts[index] + call.rows[index]:
-            return None
-        part = slice(rows.start - call.starts[index], rows.stop - call.starts[index])
-        valid = selection.valid[part]
-        if column not in call.info.moe_columns:  # dense layers' columns replay nothing
-            return torch.zeros_like(valid), valid
-        return selection.mask[part, call.info.moe_layer(column)], valid
-
     def observe(self, column: int, rows: Tensor | slice, native: Tensor, scores: Tensor | None = None) -> None:
-        """A router's native top-k of its rows, and its scores.
+        """A router's native top-k of its rows (``[rows, topk]``, on its device), and its scores.
 
-        ``rows`` are the rows' ids in the call's token order (-1: padding the engine added), or the
-        one slice they make when consecutive (:attr:`.engines.base.LayerTargets.rows`).
+        ``rows`` is the one slice of the call's rows they are, or their ids + 1 (0: padding the
+        engine added: written to the buffer's spare row), from the packed column
+        (:attr:`ablate.replay.seams.LayerTargets.rows`). A few device ops, and no read of the device.
         """
         call = self._call
         if call is None:
             return
-        device = call.native.device
-        native = native.to(device)
-        margin = None
+        self._write(call.native, column, rows, native)
         if call.native_margin is not None and scores is not None:
-            margin = native_margin(scores.detach().float(), native).to(device)
-        block = rows
-        if not isinstance(rows, slice):  # rows the engine added to pad sequences (TP, CP, SP) have row id -1
-            real = rows.to(device) >= 0
-            block, native = rows.to(device)[real], native[real]
-            margin = margin[real] if margin is not None else None
-        if isinstance(block, slice):  # converted while copied, then shifted in place: no temporaries
-            call.native[column, block].copy_(native).add_(1)
+            self._write(call.native_margin, column, rows, native_margin(scores.detach().float(), native))
+
+    @staticmethod
+    def _write(buffer: Tensor, column: int, rows: Tensor | slice, values: Tensor) -> None:
+        if isinstance(rows, slice):  # converted while copied
+            buffer[rows.start + 1:rows.stop + 1, column].copy_(values)
         else:
-            call.native[column, block] = native.to(torch.int16) + 1
-        if margin is not None:
-            call.native_margin[column, block] = margin
+            buffer[:, column].index_copy_(0, rows.to(buffer.device), values.to(buffer.device, buffer.dtype))
 
     def add_fisher(self, layer: int, logit_grads: Tensor, valid: Tensor) -> None:
         """Per-token squared router-logit gradients of one MoE layer's valid rows (:meth:`ReplaySession.add_fisher`)."""
@@ -327,29 +298,28 @@ class ReplayMaskHook:
         info = call.info
         columns = info.moe_columns
         routes = rollout if len(columns) == rollout.shape[1] else rollout[:, columns]
+        plan = plan_micro_batch(routes, r3_mask, offsets, info.num_experts)
         if call.native_pass:  # a pass that replays nothing still keys its sequences
-            return select_micro_batch(None, routes, r3_mask, offsets, info.num_experts)
-        keys = sequence_keys(routes[:, 0], offsets)
+            return select_micro_batch(None, routes, r3_mask, offsets, info.num_experts, plan=plan)
         policy = self.session.policy if call.probe is None else call.probe.policy
         if call.probe is None:
             self.step_micro_batches += 1
         native = has_native = margin = None
         if policy.needs_native_routes:
-            native, has_native, margin = self._stitch_native_routes(routes, offsets, keys)
-        return select_micro_batch(self.session, routes, r3_mask, offsets, info.num_experts, keys=keys, native=native,
+            native, has_native, margin = self._stitch_native_routes(routes, list(plan.host.offsets), plan.keys)
+        return select_micro_batch(self.session, routes, r3_mask, offsets, info.num_experts, plan=plan, native=native,
                                   has_native=has_native, native_margin=margin, probe=call.probe)
 
     def _keep_native_routes(self, call: _Call, native: Tensor, margin: Tensor) -> None:
         """Keep each sequence's native routes (and margins) of the native pass for the step's replayed passes."""
         for index, selection in call.selections.items():
-            kept = _KeptNative.of(call.token_major(native, index, minus=1), call.token_major(margin, index))
-            bounds = selection.offsets.tolist()
+            kept = _KeptNative.of(call.part(native, index).clone(), call.part(margin, index).clone())
+            bounds = selection.plan.host.offsets
             for key, start, end in zip(selection.keys, bounds[:-1], bounds[1:]):
                 self._native_routes[key] = (kept, start, end)
 
-    def _stitch_native_routes(self, routes: Tensor, offsets: Tensor, keys: list[bytes]) -> tuple[Tensor, Tensor, Tensor]:
+    def _stitch_native_routes(self, routes: Tensor, bounds: list[int], keys: list[bytes]) -> tuple[Tensor, Tensor, Tensor]:
         """Native routes and margins of a micro-batch from the step's native pass, and which tokens have them."""
-        bounds = offsets.tolist()
         found = [self._native_routes.get(key) for key in keys]
         same = _KeptNative.whole(found, bounds)
         if same is not None and same.routes.shape == routes.shape:  # the native pass's micro-batch again

@@ -30,17 +30,22 @@ def collective_device() -> torch.device:
 
 
 def sum_disjoint(parts: Tensor, groups) -> Tensor:
-    """Sum over each process group in turn of a tensor whose every entry one rank wrote (zeros elsewhere).
+    """Sum over each process group in turn of a tensor whose every entry one rank wrote.
 
-    Integer tensors travel as bytes: NCCL has no int16 sum, and because each byte is non-zero on
-    at most one rank, a byte-wise sum is the exact value.
+    A float tensor holds zeros where a rank wrote nothing; an integer one (expert ids) holds -1
+    there, and travels as the bytes of ``id + 1``: NCCL has no int16 sum, and because each byte is
+    then non-zero on at most one rank, a byte-wise sum is the exact value.
     """
-    assembled = parts.contiguous().clone()
-    payload = assembled.view(torch.uint8) if not assembled.is_floating_point() else assembled
+    if parts.is_floating_point():
+        assembled = parts.contiguous().clone()
+        payload = assembled
+    else:
+        assembled = parts.contiguous() + 1
+        payload = assembled.view(torch.uint8)
     for group in groups:
         if torch.distributed.get_world_size(group) > 1:
             torch.distributed.all_reduce(payload, group=group)
-    return assembled
+    return assembled if parts.is_floating_point() else assembled.sub_(1)
 
 
 def sum_over_world(values: Tensor) -> Tensor:

@@ -80,8 +80,9 @@ class HookSide(Protocol):
                          counted: bool) -> Tensor:
         """One micro-batch's rollout routes with its replay mask, validity and row ids as an extra column."""
 
-    def replay_bits(self, column: int, rows: slice) -> tuple[Tensor, Tensor] | None:
-        """The mask and validity of route column ``column`` for a block of rows, read from the selection."""
+    #: The call's rows of the micro-batch :meth:`augmented_routes` handled last: a seam whose router gets
+    #: exactly that many rows (the engine neither padded nor split them) knows they are these.
+    last_rows: slice
 
     def observe(self, column: int, rows: Tensor | slice, native: Tensor, scores: Tensor | None = None) -> None:
         """A router's native top-k of its rows, and its scores."""
@@ -172,17 +173,20 @@ class LayerTargets:
     """One router's share of augmented routes, split apart again: what it replays and for which rows.
 
     The mask, validity and row ids are decoded from the packed column when first read (a router's
-    forward reads the mask and row ids, its backward the validity), or given already decoded.
+    forward reads the mask and row ids, its backward the validity), a few device ops and no read
+    of the device. ``rows`` is the one slice of the call's rows these are, where the host knows
+    it (the engine neither padded nor split the micro-batch), else the rows' ids decoded.
     """
 
-    def __init__(self, routes: Tensor, packed: Tensor, *, mask: Tensor | None = None, valid: Tensor | None = None,
-                 rows: Tensor | slice | None = None) -> None:
+    def __init__(self, routes: Tensor, packed: Tensor, *, rows: slice | None = None) -> None:
         self.routes, self._packed = routes, packed
-        self._mask, self._valid, self._rows = mask, valid, rows
+        self._mask: Tensor | None = None
+        self._valid: Tensor | None = None
+        self._rows: Tensor | slice | None = rows
 
     @property
     def mask(self) -> Tensor:
-        """``[rows]`` True where ablate replays the rollout's route."""
+        """True where ablate replays the rollout's route, shaped as the packed column (``[rows]`` or ``[rows, 1]``)."""
         if self._mask is None:
             self._mask = (self._packed & 2) != 0
         return self._mask
@@ -191,42 +195,36 @@ class LayerTargets:
     def valid(self) -> Tensor:
         """``[rows]`` True on the valid tokens (their router-logit gradients feed the Fisher estimate)."""
         if self._valid is None:
-            self._valid = (self._packed & 1) != 0
+            self._valid = ((self._packed & 1) != 0).reshape(-1)
         return self._valid
 
     @property
     def rows(self) -> Tensor | slice:
-        """``[rows]`` row id in the call's token order, -1 on padding the engine added; or, when they
-        are consecutive, the one slice of rows they are (:func:`row_block`)."""
+        """The call's rows these are: one slice of them, or ``[rows]`` int64 ids + 1 (0: padding the engine added)."""
         if self._rows is None:
-            ids = (self._packed >> 2) - 1
-            self._rows = row_block(ids) or ids
+            self._rows = (self._packed >> 2).reshape(-1)
         return self._rows
 
 
-def split_augmented(targets: Tensor, topk: int) -> LayerTargets:
-    """A router's ``[rows, topk + 1]`` augmented targets as :class:`LayerTargets`."""
+def split_augmented(targets: Tensor, topk: int, rows: slice | None = None) -> LayerTargets:
+    """A router's ``[rows, topk + 1]`` augmented targets as :class:`LayerTargets` (``rows``: their one
+    slice of the call's rows, where the host knows it)."""
     _check_columns(targets, topk)
-    return LayerTargets(targets[:, :topk].contiguous(), targets[:, topk])
+    return LayerTargets(targets[:, :topk], targets[:, topk], rows=rows)
 
 
-def split_layers(targets: list[Tensor], topk: int) -> list[LayerTargets]:
-    """Every router's ``[rows, topk + 1]`` augmented targets of one micro-batch.
+def split_layers(targets: list[Tensor], topk: int, rows: slice | None = None) -> list[LayerTargets]:
+    """Every router's ``[rows, topk + 1]`` augmented targets of one micro-batch (VeOmni hands them at once).
 
-    For an engine that hands all layers' targets at once (VeOmni): the routes stay views of the
-    engine's own tensor, and the layers share their rows, whose ids are decoded and checked for
-    one block once. Each layer's mask and validity are decoded from its own packed column only
-    if read: the VeOmni seam takes them from the hook's selection when the rows are one block
-    (:meth:`ablate.replay.hook.ReplayMaskHook.replay_bits`), so the packed columns, a cache line per row in
-    verl's per-layer views, are read only for rows the engine padded.
+    The routes stay views of the engine's own tensor. Each layer's packed column is kept as a
+    ``[rows, 1]`` view, so that its mask applies to the router's ``[rows, topk]`` choice as it is;
+    the layers share their rows, decoded once.
     """
     for target in targets[:1]:
         _check_columns(target, topk)
-    rows = None
-    if targets:
-        ids = (targets[0][:, topk] >> 2) - 1
-        rows = row_block(ids) or ids
-    return [LayerTargets(target[:, :topk], target[:, topk], rows=rows) for target in targets]
+    if rows is None and targets:
+        rows = (targets[0][:, topk] >> 2)
+    return [LayerTargets(target[:, :topk], target[:, topk:], rows=rows) for target in targets]
 
 
 def _check_columns(targets: Tensor, topk: int) -> None:
@@ -235,14 +233,3 @@ def _check_columns(targets: Tensor, topk: int) -> None:
             f"router replay targets have {targets.shape[-1]} columns: expected topk + {EXTRA_COLUMNS} = "
             f"{topk + EXTRA_COLUMNS} from ablate's augmented routes"
         )
-
-
-def row_block(rows: Tensor) -> slice | None:
-    """``rows`` as one slice when they are consecutive row ids (no padding): a router's usual share."""
-    count = rows.shape[0]
-    first = int(rows[0]) if count else -1
-    if first < 0 or not torch.equal(rows, torch.arange(first, first + count, dtype=rows.dtype, device=rows.device)):
-        return None
-    return slice(first, first + count)
-
-

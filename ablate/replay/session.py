@@ -23,24 +23,30 @@ It applies nothing itself: where a mask goes (a torch loop, verl's routers, Mega
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from ablate.diagnostics.metrics import ROUTE_COUNTS, metrics_from_counts, route_counts
+from ablate.diagnostics.metrics import ROUTE_COUNTS, metrics_from_counts, route_count_tensor
 from ablate.fisher import FisherTracker
 from ablate.policies import ReplayPolicy, replay_mask
+from ablate.policies.base import MaskCheck
+from ablate.replay.host_reads import to_host
 from ablate.probes import Probe, is_probed, probe_generator, probe_record
 from ablate.replay.spec import ReplaySpec
 from ablate.routes import Routes
 from ablate.seeding import stream
 
+log = logging.getLogger(__name__)
+
 #: A sum over the ranks that each counted a disjoint part of the routes (identity on one process).
 Reduce = Callable[[Tensor], Tensor]
-#: Counts of one step: the shared route counts and the micro-batches whose policy fell back to random.
-STEP_COUNTS = (*ROUTE_COUNTS, "fisher_fallback")
+#: Counts of one step: the shared route counts, the selections whose policy fell back to random, and
+#: the valid routes no router reported a native route for (their batches' routing counts are left out).
+STEP_COUNTS = (*ROUTE_COUNTS, "fisher_fallback", "unobserved_routes")
 #: Counts that every update epoch adds once more: reported per step, i.e. per epoch.
 PER_EPOCH_COUNTS = ("valid_routes", "replayed_routes", "unrecorded_routes")
 
@@ -71,9 +77,16 @@ class ReplaySession:
         self._reset_step()
 
     def _reset_step(self) -> None:
-        self.counts = dict.fromkeys(STEP_COUNTS, 0.0)
+        #: The step's :data:`STEP_COUNTS`, summed on the device of the routes and read at :meth:`close_step`.
+        self.counts: Tensor | None = None
+        #: The budget checks of the step's masks whose routes the host knew (read at :meth:`close_step`).
+        self._checks: list[MaskCheck] = []
         self._fisher: Tensor | None = None  # [3, layers, experts]: sums, counts, skipped
         self.probe_keys: dict[str, float] = {}
+
+    def new_counts(self, device: torch.device | str = "cpu") -> Tensor:
+        """Empty route counts (:data:`STEP_COUNTS`) on ``device``: a probe pass counts into its own."""
+        return torch.zeros(len(STEP_COUNTS), dtype=torch.float64, device=device)
 
     # ------------------------------------------------------------------------ selection
     @property
@@ -106,15 +119,19 @@ class ReplaySession:
         every sequence gets its exact share of the budget and its own stream, keyed by its
         content: its mask is the same in any batch, so every pass of a step that batches it
         differently replays the same routes. A probe draws from streams of its own.
+
+        Where the host knows the routes' layout (``routes.host``), nothing here reads the device:
+        the mask's budget check is kept and read with the step's counts (:meth:`close_step`).
         """
         policy, budget = (self.policy, self.budget) if probe is None else (probe.policy, probe.probe.budget)
+        checks = self._checks if routes.host is not None else None
         if sequences is None:
-            mask = replay_mask(policy, routes, budget, generator=self._stream(probe))
+            mask = replay_mask(policy, routes, budget, generator=self._stream(probe), checks=checks)
         else:
             generators = [self._stream(probe, key) for key in sequences]
-            mask = replay_mask(policy, routes, budget, generator=generators, per_sequence=True)
-        if probe is None:
-            self.counts["fisher_fallback"] += policy.info.get("fisher_fallback", 0.0)
+            mask = replay_mask(policy, routes, budget, generator=generators, per_sequence=True, checks=checks)
+        if probe is None and policy.info.get("fisher_fallback", 0.0):
+            self._counts_on(mask.device)[STEP_COUNTS.index("fisher_fallback")] += 1.0
         return mask
 
     def _stream(self, probe: ProbeRun | None, *sequence: bytes) -> torch.Generator:
@@ -124,33 +141,53 @@ class ReplaySession:
         return stream(self.spec.seed, "selection", *(sequence or (self.step,)))
 
     # ------------------------------------------------------------------------- counting
-    def count(self, routes: Routes | None, mask: Tensor | None, *, unrecorded: int = 0,
-              into: dict[str, float] | None = None) -> None:
-        """Add one batch's route counts to the step's (or to ``into``: a probe pass's own).
+    def count(self, routes: Routes | None, mask: Tensor | None, *, unrecorded: Tensor | int = 0,
+              unobserved: Tensor | None = None, into: Tensor | None = None) -> None:
+        """Add one batch's route counts to the step's (or to ``into``, from :meth:`new_counts`: a probe pass's own).
 
         ``routes`` are the valid routes the mask chose from, with the native routes the training
         router computed where known; None when the batch had no valid route. ``unrecorded``
-        routes (the rollout never recorded them) are counted apart.
+        routes (the rollout never recorded them) are counted apart. ``unobserved``: how many valid
+        routes no router reported a native route for; where some are, the batch's ``routing/``
+        counts are left out. Everything stays on the device.
         """
-        counts = self.counts if into is None else into
-        if routes is not None:
-            added = route_counts(routes, mask, fisher_scores=self.fisher_scores())
-            for key, value in added.items():
-                counts[key] += value
-        counts["unrecorded_routes"] += unrecorded
+        if routes is None:
+            if not isinstance(unrecorded, int) or unrecorded:
+                device = unrecorded.device if isinstance(unrecorded, Tensor) else "cpu"
+                counts = self._counts_on(device) if into is None else into
+                counts[STEP_COUNTS.index("unrecorded_routes")] += unrecorded
+            return
+        counts = self._counts_on(routes.device) if into is None else into
+        observed = None if unobserved is None else unobserved == 0
+        counts[:len(ROUTE_COUNTS)] += route_count_tensor(routes, mask, fisher_scores=self.fisher_scores(),
+                                                        observed=observed)
+        counts[STEP_COUNTS.index("unrecorded_routes")] += unrecorded
+        if unobserved is not None:
+            counts[STEP_COUNTS.index("unobserved_routes")] += unobserved
+
+    def _counts_on(self, device: torch.device | str) -> Tensor:
+        if self.counts is None:
+            self.counts = self.new_counts(device)
+        return self.counts
+
+    def read_counts(self, counts: Tensor, reduce: Reduce = _alone) -> dict[str, float]:
+        """Counts summed over the ranks by ``reduce``, read from the device once."""
+        return dict(zip(STEP_COUNTS, to_host(reduce(counts)).tolist()))
 
     def add_fisher(self, layer: int, logit_grads: Tensor, valid: Tensor) -> None:
         """Per-token squared router-logit gradients of one MoE layer's valid rows, for this step's estimate.
 
         A non-finite square is skipped and counted, as the Fisher tracker does with its own input.
+        The rows are weighted by their validity, never selected (which would read their number back).
         """
-        squares = logit_grads.detach().reshape(-1, logit_grads.shape[-1])[valid.to(logit_grads.device)].double().square()
+        squares = logit_grads.detach().reshape(-1, logit_grads.shape[-1]).double().square()
+        valid = valid.to(squares.device)[:, None]
         finite = torch.isfinite(squares)
         if self._fisher is None:
             self._fisher = torch.zeros((3, *self.tracker.shape), dtype=torch.float64, device=squares.device)
-        self._fisher[0, layer] += squares.masked_fill(~finite, 0.0).sum(0)
-        self._fisher[1, layer] += finite.sum(0)
-        self._fisher[2, layer] += (~finite).sum(0)
+        self._fisher[0, layer] += torch.where(finite & valid, squares, 0.0).sum(0)
+        self._fisher[1, layer] += (finite & valid).sum(0)
+        self._fisher[2, layer] += (~finite & valid).sum(0)
 
     def close_step(self, *, reduce: Reduce = _alone, update_epochs: int = 1) -> dict[str, float]:
         """The step's ``replay/`` and ``routing/`` keys (and its probes'); one step of the Fisher estimate.
@@ -160,9 +197,22 @@ class ReplaySession:
         by ``update_epochs``: ``replay/valid_routes`` is the number of valid routes in the step's
         batch. Ratios pool every pass.
         """
-        names = sorted(self.counts)
-        totals = dict(zip(names, reduce(torch.tensor([self.counts[k] for k in names], dtype=torch.float64)).tolist()))
-        nonfinite = self._fold_fisher(reduce)
+        counts = self.counts if self.counts is not None else self.new_counts()
+        # Every rank takes part in the sums, with zeros where it saw no gradient.
+        fisher = self._fisher if self._fisher is not None else torch.zeros((3, *self.tracker.shape), dtype=torch.float64)
+        summed = reduce(torch.cat([counts, fisher.reshape(-1).to(counts)]))
+        # One read of the device for the whole step: the counts and Fisher sums (summed over the ranks) and
+        # the step's budget checks (this rank's).
+        read = to_host(torch.cat([summed, *(check.found.to(summed) for check in self._checks)]))
+        steps = len(STEP_COUNTS)
+        totals = dict(zip(STEP_COUNTS, read[:steps].tolist()))
+        for index, check in enumerate(self._checks):
+            start = steps + fisher.numel() + 5 * index
+            check.raise_if_broken([int(value) for value in read[start:start + 5].tolist()])
+        if totals["unobserved_routes"]:
+            log.warning("ablate replay: %d valid routes without a native route from the routers at step %d; the "
+                        "routing/ counts of their batches are left out", totals["unobserved_routes"], self.step)
+        nonfinite = self._fold_fisher(read[steps:steps + fisher.numel()].reshape(fisher.shape))
         for key in PER_EPOCH_COUNTS:
             totals[key] /= update_epochs
         metrics = metrics_from_counts(totals, self.budget, self.topk, fisher_fallback=totals["fisher_fallback"] > 0,
@@ -177,18 +227,10 @@ class ReplaySession:
         replay = metrics_from_counts(counts, probe.budget, self.topk, fisher_fallback=False, fisher_nonfinite=0)
         self.probe_keys.update(probe_record(probe.id, {**mismatch, **replay}))
 
-    def _fold_fisher(self, reduce: Reduce) -> int:
-        """This step's Fisher sums (summed over ranks) become one step of the estimate; returns the
-        non-finite contributions skipped, here and by the tracker."""
-        # Every rank takes part in the sum, with zeros where it saw no gradient.
-        parts = self._fisher if self._fisher is not None else torch.zeros((3, *self.tracker.shape), dtype=torch.float64)
-        sums, counts, skipped = reduce(parts).cpu()
-        # accumulate() adds (mean * count): the mean weighted by its count adds the sums.
-        self.tracker.accumulate((sums / counts.clamp(min=1))[None], counts[None])
+    def _fold_fisher(self, parts: Tensor) -> int:
+        """This step's Fisher sums (summed over the ranks, on the host) become one step of the estimate;
+        returns the non-finite contributions skipped, here and by the tracker."""
+        sums, counts, skipped = parts
+        self.tracker.add_sums(sums, counts, int(skipped.sum().tolist()))
         self.tracker.step()
-        return int(skipped.sum()) + self.tracker.nonfinite_last_step
-
-
-def new_counts() -> dict[str, float]:
-    """Empty route counts: a probe pass counts into its own."""
-    return dict.fromkeys(ROUTE_COUNTS, 0.0)
+        return self.tracker.nonfinite_last_step

@@ -3,7 +3,7 @@
 # run the policy benchmark, the hook benchmark and the Megatron MoE step with verl's R3 and the
 # hook, all on CUDA. Output goes to $OUT (or ./gpu-bench-out).
 # Usage, from the repository root: bash bench/gpu/run.sh
-# Prepared by bench/gpu/prepare.sh; not run yet (no GPU was lent to the session that wrote it).
+# Prepared by bench/gpu/prepare.sh; not yet run on a GPU.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 WHEELS="$REPO/build/gpu-wheels"

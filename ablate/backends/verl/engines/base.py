@@ -34,7 +34,7 @@ def r3_call(data, forward_only: bool, *, num_experts: int, layer_columns) -> Cal
         )
     layers, topk = routes.values().shape[-2:] if routes.is_nested else routes.shape[-2:]
     return CallInfo(
-        forward_only=forward_only, last_update=bool(last), num_tokens=int(data["input_ids"].offsets()[-1]),
+        forward_only=forward_only, last_update=bool(last), num_tokens=data["input_ids"].values().shape[0],
         route_layers=int(layers), topk=int(topk), num_experts=int(num_experts),
         layer_columns=tuple(layer_columns(int(layers))),
     )

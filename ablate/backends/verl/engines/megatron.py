@@ -200,17 +200,23 @@ class MegatronSeam(EngineSeam):
         counted = self.counting_rank(info, [number for number, _ in routers])
         augmented = hook.augmented_routes(vp_rank or 0, rollout, replay_mask.values(), offsets, counted=counted)
         packed = torch.nested.nested_tensor_from_jagged(augmented, offsets=offsets)
-        with self._splitting_targets(info.topk):
+        with self._splitting_targets(info.topk, hook.last_rows):
             original(packed, attention_mask, tf_config, vp_rank, replay_mask=None, local_cp_size=local_cp_size,
                      model=model)
 
     @contextlib.contextmanager
-    def _splitting_targets(self, topk: int):
-        """While verl distributes augmented routes, split each router's columns back apart."""
+    def _splitting_targets(self, topk: int, block: slice):
+        """While verl distributes augmented routes, split each router's columns back apart.
+
+        A router given as many rows as the micro-batch has got them all, in order: verl padded and
+        split nothing (no sequence or context parallelism, no alignment padding), so its rows are
+        ``block``, known without decoding them.
+        """
         original = ep.original(SET_TARGETS)
+        rows = block.stop - block.start
 
         def set_target_indices(replay, topk_indices: Tensor, replay_mask: Tensor | None = None):
-            targets = split_augmented(topk_indices, topk)
+            targets = split_augmented(topk_indices, topk, block if topk_indices.shape[0] == rows else None)
             self._targets[id(targets.mask)] = (targets.mask, targets)
             original(replay, targets.routes, replay_mask=targets.mask)
 

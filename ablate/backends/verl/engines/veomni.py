@@ -173,8 +173,14 @@ class VeOmniSeam(EngineSeam):
             ep.restore(BEGIN_MICRO_BATCH)
 
     def arm_micro_batch(self, targets: list[Tensor], topk: int) -> list[Tensor]:
-        """Keep each layer's mask, validity and row ids of a micro-batch's augmented targets; the routes for verl."""
-        self._layers, self._positions = split_layers(targets, topk), {}
+        """Keep each layer's mask, validity and row ids of a micro-batch's augmented targets; the routes for verl.
+
+        Targets of as many rows as the micro-batch are its rows in order (verl padded and sliced
+        nothing): their ids are known without decoding them.
+        """
+        block = self.hook.last_rows
+        whole = bool(targets) and targets[0].shape[0] == block.stop - block.start
+        self._layers, self._positions = split_layers(targets, topk, block if whole else None), {}
         return [layer.routes for layer in self._layers]
 
     def on_router_forward(self, original, controller, module, routing_scores: Tensor, top_indices: Tensor) -> Tensor:
@@ -190,14 +196,12 @@ class VeOmniSeam(EngineSeam):
         if position >= len(self._layers):
             return chosen  # verl raises for a router without a target; this micro-batch is not ablate's
         layer, hook = self._layers[position], self.hook
-        bits = hook.replay_bits(position, layer.rows) if isinstance(layer.rows, slice) else None
-        mask, valid = bits if bits is not None else (layer.mask, None)  # None: the packed bits, when read
-        chosen = torch.where(mask.to(chosen.device)[:, None], chosen, top_indices)
+        chosen = torch.where(layer.mask, chosen, top_indices)  # the packed column's [rows, 1] view: one op
         if first_fire:  # a recompute under activation checkpointing routes the same rows again
             with torch.no_grad():
                 hook.observe(position, layer.rows, top_indices, routing_scores)
         if torch.is_grad_enabled() and routing_scores.requires_grad:
-            scores, valid = routing_scores, layer.valid if valid is None else valid
+            scores, valid = routing_scores, layer.valid
             routing_scores.register_hook(lambda grad: hook.add_fisher(position, logit_gradients(scores, grad), valid))
         return chosen
 
