@@ -4,6 +4,7 @@ names and a dead writer's leftovers: one line each, nothing cut or left behind (
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -168,3 +169,31 @@ def test_the_next_run_removes_what_a_dead_writer_left_and_nothing_of_a_live_one(
     live.write_text("policy")
     assert analyze(str(toy), "--out", str(out), "--reps", "50", "--no-plots").returncode == 0
     assert not left.exists() and live.exists()
+
+
+def test_a_sweep_path_that_starts_with_a_dash_gets_how_to_write_it(toy, tmp_path):
+    shutil.copytree(toy, tmp_path / "-dash" / "adhoc")
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ablate.analysis", "--no-plots", "--reps", "50", *args],
+                              capture_output=True, text=True, cwd=tmp_path, timeout=600)
+
+    assert one_line(run("-dash/adhoc")) == (
+        "ablate-analyze: the following arguments are required: sweep; -dash/adhoc was read as an option: write a "
+        "path that starts with '-' as ./-dash/adhoc, or after -- (ablate-analyze --help lists the options)")
+    assert run("./-dash/adhoc").returncode == 0
+    assert run("--", "-dash/adhoc").returncode == 0
+
+
+@pytest.mark.slow
+def test_records_near_the_float_limit_print_no_numpy_warning(tmp_path):
+    """Their sums overflow: the outcomes are infinite, and neither the sweep nor the analysis warns on the console."""
+    sweep = subprocess.run([sys.executable, "-m", "ablate", "-m", "backend=noop", "backend.reward=1.7e308",
+                            "backend.steps=5", "policy=none,full,random", "budget=0.5", "seed=range(6)",
+                            "tracking.mode=disabled", "sweep=huge"], capture_output=True, text=True, cwd=tmp_path,
+                           timeout=600)
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    analysed = analyze(str(tmp_path / "runs" / "huge"), "--no-plots", "--reps", "50")
+    assert analysed.returncode == 0, analysed.stderr[-3000:]
+    for output in (sweep.stdout + sweep.stderr, analysed.stdout + analysed.stderr):
+        assert "RuntimeWarning" not in output and "overflow" not in output, output[-3000:]
