@@ -132,10 +132,10 @@ def _run_started_cell(cell: Cell, recorder: CellRecorder, run_id: str) -> dict[s
 
     def log_step(step: int, record: dict[str, float], native: dict[str, float] | None = None) -> None:
         """One step: schema keys (validated) and backend-native metrics under their own names."""
+        combined = {**(native or {}), **record}
+        check_numbers(step, combined, cell.backend.name)  # first: it ends the cell, the schema's warning would not
         for problem in validate_record(record, strict=strict):
             recorder.warn(f"step {step}: {problem}")
-        combined = {**(native or {}), **record}
-        check_numbers(step, combined, cell.backend.name)
         recorder.record(step, combined)
         assert tracker is not None and progress is not None
         tracker.log(combined, step=step)

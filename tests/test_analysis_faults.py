@@ -3,6 +3,7 @@ names and a dead writer's leftovers: one line each, nothing cut or left behind (
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ import yaml
 
 from ablate.analysis.load import load_runs
 from ablate.analysis.tables import effects
+from ablate.cell import cell_id_of
 from disks import tmpfs
 from tests.test_analysis_store import BUDGETS, write_cell
 
@@ -93,16 +95,24 @@ def test_an_output_folder_under_a_file_is_one_line_with_and_without_probes(toy, 
 
     probed = tmp_path / "probed"
     subprocess.run(["cp", "-a", str(toy), str(probed)], check=True)
-    for config in probed.glob("*/config.yaml"):
+    for config in list(probed.glob("*/config.yaml")):
         tree = yaml.safe_load(config.read_text())
         tree["probes"] = probe_table(parse_probes(["none", "full", "random@0.25"]))
         config.write_text(yaml.safe_dump(tree))
+        probed_cell(config.parent, cell_id_of(tree))
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
     for extra in ([], ["--probes"]):
         error = one_line(analyze(str(probed), "--out", str(blocker / "sub"), "--no-plots", "--reps", "50", *extra))
         assert error == (f"ablate-analyze: {blocker / 'sub'}: cannot create the analysis output folder (Not a "
                          "directory); expected a writable directory")
+
+
+def probed_cell(cell: Path, cell_id: str) -> None:
+    """The cell of a config with probes: its id is the new config's hash, and its directory is named by it."""
+    identity = json.loads((cell / "cell.json").read_text())
+    (cell / "cell.json").write_text(json.dumps({**identity, "cell_id": cell_id}))
+    cell.rename(cell.with_name(f"{identity['name']}-{cell_id[:8]}"))
 
 
 @pytest.mark.slow

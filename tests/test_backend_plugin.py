@@ -150,6 +150,7 @@ def test_a_value_that_is_not_a_number_fails_its_cell_recorded_with_the_error(ins
             f"store_dir={tmp_path / 'runs'}"]
     done = subprocess.run(base, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout == ""  # no schema warning beside the line: the value ends the cell first
     (line,) = done.stderr.strip().splitlines()
     assert "step 1: train/reward='high' (a str) logged by backend=wordy: expected a number" in line
     assert line.endswith("(its traceback is in status.json)")
