@@ -40,14 +40,18 @@ def app(cfg: DictConfig) -> float | list[float]:
 
 
 def main() -> float | list[float] | None:
-    """The command. Before Hydra starts: an override Hydra cannot read and a ``--config-dir`` file
-    that is not YAML end in one line, and a policy module named by ``plugins=[...]`` is imported,
-    so that ``policy=<its name>`` is an option of the ``policy`` group."""
-    from ablate.config_errors import config_dir, override_problem, yaml_problem
+    """The command. Before Hydra starts: an argument that is not text in the locale, an override
+    Hydra cannot read and a ``--config-dir`` file that is not YAML end in one line (printable in
+    any locale), and a policy module named by ``plugins=[...]`` is imported, so that
+    ``policy=<its name>`` is an option of the ``policy`` group."""
+    from ablate.config_errors import config_dir, override_problem, undecodable_argument, yaml_problem
+    from ablate.terminal import printable_output
 
+    printable_output()
     arguments = sys.argv[1:]
     directory = config_dir(arguments)
-    problem = override_problem(arguments) or (yaml_problem(directory, arguments) if directory is not None else None)
+    problem = (undecodable_argument(arguments) or override_problem(arguments)
+               or (yaml_problem(directory, arguments) if directory is not None else None))
     if problem is not None:
         print(f"ablate: {problem}", file=sys.stderr, flush=True)
         raise SystemExit(2)

@@ -67,7 +67,7 @@ def check_budget(budget: float | None, policy: str | None = None, *, fixed: floa
 def _as_fraction(budget: object, where: str) -> float:
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
         raise BudgetError(f"budget={budget!r}{where}: expected a fraction in [0, 1], got a {type(budget).__name__}")
-    value = float(budget)
+    value = float(budget) + 0.0  # budget=-0.0 is budget=0: one cell, one identity
     if math.isnan(value) or not 0.0 <= value <= 1.0:
         raise BudgetError(f"budget={budget!r}{where}: expected a fraction in [0, 1]")
     return value

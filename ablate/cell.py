@@ -13,8 +13,6 @@ maps to the same cells and a rerun can recognise a cell that is already complete
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -27,12 +25,8 @@ from ablate.diagnostics import SCHEMA_VERSION
 from ablate.probes import Probe
 from ablate.replay.spec import ReplaySpec
 from ablate.seeding import STREAMS_VERSION
-from ablate.store import sweep_directory
-
-#: Top-level config keys that never change what a cell computes (``plugins`` says where a policy's
-#: code is found; the policy's name and settings are what the cell computes with; ``analysis`` is
-#: read by ``ablate-analyze`` only).
-NOT_IDENTITY = ("tracking", "store_dir", "sweep", "objective", "hydra", "plugins", "analysis")
+from ablate.store import CellIdentity, sweep_directory
+from ablate.store.identity import NOT_IDENTITY, cell_id_of
 
 __all__ = ["NOT_IDENTITY", "Cell", "cell_id_of", "cell_name"]
 
@@ -58,6 +52,8 @@ class Cell:
     objective: tuple[str, ...] = ("final_reward",)
     #: Whether the config gave a list of objectives (a sweeper then gets a list of values).
     multi_objective: bool = False
+    #: Seconds the cell may run (``cell_timeout``); None: no limit.
+    timeout: float | None = None
     #: The resolved config as plain data (``config.yaml``, and the W&B run's config).
     resolved: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -70,6 +66,15 @@ class Cell:
     def directory(self) -> Path:
         """``<store_dir>/<sweep>/<name>-<id[:8]>``: where the cell's files are."""
         return sweep_directory(self.store_dir, self.sweep) / self.dirname
+
+    @cached_property
+    def identity(self) -> CellIdentity:
+        """What the cell's ``cell.json`` holds, but the W&B run id (drawn when it first runs)."""
+        return CellIdentity(
+            cell_id=self.cell_id, name=self.name, sweep=self.sweep, backend=self.backend.name, policy=self.policy,
+            budget=self.budget, seed=self.seed, trial=self.trial, variant=self.variant, settings=self.policy_settings,
+            schema_version=self.resolved["schema_version"], streams=STREAMS_VERSION,
+        )
 
     def flat_config(self) -> dict[str, Any]:
         """The resolved config flattened with dots, plus the keys dashboards group by."""
@@ -136,12 +141,6 @@ def cell_name(replay: ReplaySpec, trial: int | None = None, variant: str = "") -
     arm, seed = arm_name(replay.policy.name, variant, in_path=True), replay.seed
     name = f"{arm}-s{seed}" if replay.budget_is_fixed else f"{arm}-b{budget_label(replay.budget)}-s{seed}"
     return name if trial is None else f"{name}-t{trial}"
-
-
-def cell_id_of(resolved: dict[str, Any]) -> str:
-    """The identity of a resolved config: a hash of every key that changes what the cell computes."""
-    identity = {k: v for k, v in resolved.items() if k not in NOT_IDENTITY}
-    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

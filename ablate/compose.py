@@ -10,6 +10,10 @@ its cell with it once):
   what the cell asks of its backend (probes, a Fisher estimator) against what it supports;
 - the policy name, the budget against the policy, the policy's own settings;
 - the objective against the outcomes a summary holds;
+- the sweep's declared analysis (its outcomes, margins and primary questions) against the
+  outcomes and the known policies;
+- values read from the environment (``${oc.env:NAME}``): recorded as the interpolation where
+  they do not change what the cell computes, refused where they would;
 - the cell's directory name against what a file system takes.
 """
 
@@ -20,6 +24,7 @@ import difflib
 import functools
 import inspect
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import fields, is_dataclass
 from enum import Enum
@@ -28,14 +33,16 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigTypeError
 
+from ablate.arms import arm_policy
 from ablate.backends import backend_names, get_backend
 from ablate.budget import BudgetError
-from ablate.cell import Cell, cell_id_of, cell_name
-from ablate.config import AppConfig, ConfigError, FisherEstimateConfig, choice_value, require
+from ablate.cell import NOT_IDENTITY, Cell, cell_id_of, cell_name
+from ablate.config import AnalysisConfig, AppConfig, ConfigError, FisherEstimateConfig, choice_value, require
 from ablate.diagnostics import SCHEMA_VERSION
-from ablate.outcomes import check_objective
-from ablate.policies import PolicyError, PolicySpec, get_policy, load_plugins, policy_class
+from ablate.outcomes import OUTCOME_NAMES, check_objective
+from ablate.policies import PolicyError, PolicySpec, available_policies, get_policy, load_plugins, policy_class
 from ablate.probes import check_probe_every, parse_probes, probe_table
+from ablate.questions import parse_question
 from ablate.replay.spec import ReplaySpec
 from ablate.store import store_root
 
@@ -83,6 +90,8 @@ def build_cell(app: AppConfig, plain: dict[str, Any], plugins: tuple[str, ...], 
                 f"one of {', '.join(backend_names())} (choose a backend with backend=<name>)")
     for section in sections:
         getattr(app, section).check()
+    if "analysis" in sections:
+        _check_declared_analysis(app.analysis)
     app.check_values()
     _check_objective(app.objective)
     name = app.policy.name
@@ -103,7 +112,7 @@ def build_cell(app: AppConfig, plain: dict[str, Any], plugins: tuple[str, ...], 
         variant=variant, name=cell_name(replay, trial, variant), store_dir=_store_root(app.store_dir),
         tracking=app.tracking,
         objective=tuple(str(o) for o in objective) if multi else (str(objective),), multi_objective=multi,
-        resolved=resolved,
+        timeout=app.cell_timeout, resolved=resolved,
     )
     check_name_length(cell)
     return cell
@@ -179,11 +188,12 @@ def _replaced(node: Any, path: list[str], value: Any) -> Any:
     return dataclasses.replace(node, **{head: _replaced(getattr(node, head), rest, value) if rest else value})
 
 
-def _set(plain: dict[str, Any], path: list[str], value: Any) -> dict[str, Any]:
-    """``plain`` with ``path`` set to ``value``: the dicts on the way are copied, the rest shared."""
+def _set(plain: Any, path: list[str], value: Any) -> Any:
+    """``plain`` with ``path`` set to ``value``: the dicts and lists on the way are copied, the rest shared."""
     head, rest = path[0], path[1:]
-    updated = dict(plain)
-    updated[head] = _set(plain[head], rest, value) if rest else value
+    updated = list(plain) if isinstance(plain, list) else dict(plain)
+    at = int(head) if isinstance(plain, list) else head
+    updated[at] = _set(plain[at], rest, value) if rest else value
     return updated
 
 
@@ -201,6 +211,46 @@ def _check_objective(objective: Any) -> None:
     if key not in _CHECKED_OBJECTIVES:
         check_objective(objective)
         _CHECKED_OBJECTIVES.add(key)
+
+
+_CHECKED_ANALYSES: set[str] = set()
+
+
+def _check_declared_analysis(analysis: AnalysisConfig) -> None:
+    """What the sweep declares of its analysis, against what the analysis knows (once per block).
+
+    Its outcomes and margins name outcomes, its primary questions read and name known policies:
+    the analysis would refuse an unknown outcome, ignore its margin and skip such a question
+    without a word (the next one named "primary 2"), and only once every cell has run.
+    """
+    key = json.dumps([analysis.primary, analysis.outcomes, analysis.margins], sort_keys=True, default=str)
+    if key in _CHECKED_ANALYSES:
+        return
+    named = [(f"analysis.outcomes={list(analysis.outcomes)}", name) for name in analysis.outcomes]
+    named += [(f"analysis.margins.{name}={margin}", name) for name, margin in analysis.margins.items()]
+    for where, name in named:
+        if name not in OUTCOME_NAMES:
+            close = difflib.get_close_matches(name, OUTCOME_NAMES, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"{where}: {name!r} is not an outcome{hint}; expected outcomes among "
+                              f"{', '.join(OUTCOME_NAMES)}")
+    known = available_policies()
+    for text in analysis.primary:
+        try:
+            question = parse_question(text, "analysis.primary")
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        named = [("POLICY", question.policy), ("BASELINE", question.baseline)]
+        for role, arm in named:
+            # A comparison of two values of a setting names its baseline by the setting (key=b).
+            if arm is None or (question.kind == "compare" and role == "BASELINE" and "=" in arm):
+                continue
+            if arm_policy(arm) not in known:
+                close = difflib.get_close_matches(arm_policy(arm), known, n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise ConfigError(f"analysis.primary {text!r}: {role} {arm!r} is not a policy{hint}; expected one "
+                                  f"of {', '.join(known)}, with its settings in brackets where it has any")
+    _CHECKED_ANALYSES.add(key)
 
 
 _CHECKED_SETTINGS: set[str] = set()
@@ -308,11 +358,67 @@ def _fisher_defaults() -> dict[str, Any]:
 
 
 def resolved_plain(cfg: DictConfig) -> dict[str, Any]:
-    """The config as plain data, every interpolation resolved and every choice a string."""
+    """The config as plain data, every interpolation resolved and every choice a string, but the
+    values read from the environment: each stays its interpolation (:func:`from_environment`).
+
+    A value read from the environment may be a secret or a path of one machine, and this plain
+    data is what ``config.yaml`` and the W&B run's config record. Where it changes what the cell
+    computes it is refused instead: recorded as its interpolation, it could not be the cell's
+    identity (the hash of the recorded config), and recorded as its value, it would be written.
+    """
     plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     assert isinstance(plain, dict)
     plain.pop("hydra", None)
+    for key, text in from_environment(cfg).items():
+        if key.split(".")[0] not in NOT_IDENTITY:
+            variable = re.search(r"\$\{oc\.env:([^,}]+)", text)
+            raise ConfigError(f"{key}={text}: a value read from the environment, in a setting that changes what the "
+                              f"cell computes; expected the value itself (on the command line: {key}=\"$"
+                              f"{variable[1] if variable else 'NAME'}\"), so that config.yaml and W&B record it and "
+                              "the cell's identity holds it")
+        plain = _set(plain, key.split("."), text)
     return plain
+
+
+#: The text an interpolation that reads the environment starts with (OmegaConf's resolver).
+ENV_INTERPOLATION = "${oc.env:"
+
+
+def from_environment(cfg: DictConfig) -> dict[str, str]:
+    """Dotted key -> its value with the environment left unread, for every value of ``cfg`` (outside
+    ``hydra``) that reads the environment, directly or through another key's interpolation.
+
+    Resolved once more with every ``${oc.env:...}`` escaped: such a value keeps the interpolation
+    as text (``${oc.env:SCRATCH}/runs``), and every other value resolves as it does.
+    """
+    raw = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
+    assert isinstance(raw, dict)
+    raw.pop("hydra", None)
+    if ENV_INTERPOLATION not in json.dumps(raw, default=str):
+        return {}
+    escaped = OmegaConf.create(_escape_environment(raw))
+    kept = OmegaConf.to_container(escaped, resolve=True)
+    assert isinstance(kept, dict)
+    return {key: value for key, value in _leaves(kept) if isinstance(value, str) and ENV_INTERPOLATION in value}
+
+
+def _escape_environment(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {key: _escape_environment(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_escape_environment(value) for value in node]
+    return node.replace(ENV_INTERPOLATION, "\\" + ENV_INTERPOLATION) if isinstance(node, str) else node
+
+
+def _leaves(node: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _leaves(value, f"{prefix}{key}.")
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from _leaves(value, f"{prefix}{index}.")
+    else:
+        yield prefix.rstrip("."), node
 
 
 def replay_spec(plain: dict[str, Any], policy: PolicySpec) -> ReplaySpec:

@@ -253,6 +253,8 @@ class AppConfig:
     #: Probe every N-th step (steps 0, N, 2N, ...). The default keeps six probes within 10% of a
     #: synthetic cell's time (bench/bench_probes.py).
     probe_every: int = 10
+    #: Seconds a cell may run before it ends ``failed`` (timeout), its steps kept; null: no limit.
+    cell_timeout: Optional[float] = None
 
     #: The sections, each with its own ``check()``.
     SECTIONS: ClassVar[tuple[str, ...]] = ("backend", "policy", "tracking", "analysis")
@@ -271,6 +273,8 @@ class AppConfig:
         if self.trial is not None:
             require_int("trial", self.trial, 0)
         require(bool(self.store_dir), "store_dir", self.store_dir, "a directory for the run store")
+        if self.cell_timeout is not None:
+            require_positive("cell_timeout", self.cell_timeout)
         check_sweep_name(self.sweep)
 
 

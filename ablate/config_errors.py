@@ -11,11 +11,13 @@ are a user's typo in a file, so both are reported as ``<file>: <problem>``:
   the file of the ``--config-dir`` that sets that key to an interpolation, where one does.
 - Overrides are parsed before Hydra starts: one that Hydra's grammar cannot read (an unquoted
   non-ASCII letter, a stray bracket) and a config-group choice too long to be a file name are
-  named in one line, with the quoting that fixes the first.
+  named in one line, with the quoting that fixes the first; so is an argument that is not text
+  in the locale's encoding (a non-ASCII value with Python's UTF-8 mode off in a C locale).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -39,6 +41,20 @@ def command_line_overrides(argv: Sequence[str]) -> list[str]:
         if not arg.startswith("-") and not follows_flag:
             overrides.append(arg)
     return overrides
+
+
+def undecodable_argument(argv: Sequence[str]) -> str | None:
+    """``<argument>: ...`` for the first argument that is not text in this locale's encoding, or None.
+
+    Python keeps such bytes as surrogates (PEP 383): a path made of them would open, but the
+    config files, the run store and W&B write text, and would fail midway on them.
+    """
+    for arg in argv:
+        if any("\udc80" <= char <= "\udcff" for char in arg):
+            shown = os.fsencode(arg).decode("ascii", "backslashreplace")
+            return (f"{shown}: bytes that are not text in this locale's encoding ({sys.getfilesystemencoding()}); "
+                    "run ablate with a UTF-8 locale (LC_ALL=C.UTF-8) or Python's UTF-8 mode (PYTHONUTF8=1)")
+    return None
 
 
 def override_problem(argv: Sequence[str]) -> str | None:

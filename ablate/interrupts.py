@@ -55,6 +55,16 @@ def as_interrupted(error: KeyboardInterrupt) -> Interrupted:
     return error if isinstance(error, Interrupted) else Interrupted(_state["received"] or signal.SIGINT)
 
 
+def from_signal(error: KeyboardInterrupt) -> bool:
+    """Whether ``error`` stands for a signal (or a stop of the sweep), not for code that raised it.
+
+    A plugin may ``raise KeyboardInterrupt`` itself: that is a failure of its cell, not a Ctrl-C.
+    A signal reaches a cell as :class:`Interrupted` (our handler) or, through a library that
+    replaces it, as a plain ``KeyboardInterrupt`` after our handler noted the signal.
+    """
+    return isinstance(error, Interrupted) or bool(_state["received"])
+
+
 _state = {"depth": 0, "stopping": False, "received": 0, "deferred": 0, "pending": 0}
 
 

@@ -164,6 +164,15 @@ def cell_outcomes(
     else:
         steps = np.arange(len(records), dtype=float)
 
+    # Values near the float limit (1e308) overflow in a sum: the outcome is then infinite, which
+    # the analysis names beside its table, and the console stays free of numpy's warnings.
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _outcomes(records, steps, final_fraction, collapse_fraction, collapse_patience, smoothing_window,
+                         chance_reward)
+
+
+def _outcomes(records: pd.DataFrame, steps: np.ndarray, final_fraction: float, collapse_fraction: float,
+              collapse_patience: int, smoothing_window: int, chance_reward: float | None) -> dict[str, float]:
     reward = _column(records, REWARD_KEY)
     finite = np.isfinite(reward) & np.isfinite(steps)
     reward_steps, reward_values = steps[finite], reward[finite]

@@ -9,8 +9,10 @@ the steps it logged, and the next run of the same command runs it again.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import numbers
 import os
 import secrets
 import sys
@@ -27,14 +29,13 @@ from ablate.cell import Cell
 from ablate.compose import ConfigError, cell_from_config
 from ablate.config import choice_value
 from ablate.diagnostics import validate_record
-from ablate.interrupts import as_interrupted, check_not_stopping, signals_interrupt
+from ablate.deadline import time_limit
+from ablate.interrupts import as_interrupted, check_not_stopping, from_signal, signals_interrupt
 from ablate.outcomes import cell_outcomes
 from ablate.progress import Progress
-from ablate.seeding import STREAMS_VERSION
 from ablate.store import (
     CELL_FILE,
     CellBusy,
-    CellIdentity,
     CellRecorder,
     CellState,
     ClaimLost,
@@ -97,7 +98,7 @@ def run(cell: Cell) -> dict[str, Any]:
     if getattr(cell.backend, "dry_run", False):  # a checked launch command; nothing is written
         return {"dry_run": preflight(cell) if preflight else f"backend={cell.backend.name} runs in process"}
     directory = cell.directory
-    if inspect_cell(directory, cell.cell_id).state is CellState.COMPLETE:
+    if inspect_cell(directory, cell.identity).state is CellState.COMPLETE:
         log.info("%s: complete in %s, skipped", cell.name, directory)
         return {**read_summary(directory), "skipped": True}
     check_not_stopping()  # a worker of a stopping sweep starts no new cell, nor checks its launch
@@ -105,20 +106,13 @@ def run(cell: Cell) -> dict[str, Any]:
         preflight(cell)
     check_not_stopping()  # the sweep may have stopped during the launch check
     with signals_interrupt(), held(directory) as claim:
-        view = inspect_cell(directory, cell.cell_id)
+        view = inspect_cell(directory, cell.identity)
         if view.state is CellState.COMPLETE:  # another worker finished it while we looked
             return {**read_summary(directory), "skipped": True}
         run_id = wandb_run_id(directory)
         recorder = CellRecorder(directory, claim)
-        recorder.start(
-            CellIdentity(
-                cell_id=cell.cell_id, name=cell.name, sweep=cell.sweep, backend=cell.backend.name, policy=cell.policy,
-                budget=cell.budget, seed=cell.seed, trial=cell.trial, variant=cell.variant,
-                settings=cell.policy_settings, schema_version=cell.resolved["schema_version"], wandb_run_id=run_id,
-                streams=STREAMS_VERSION,
-            ).to_json(),
-            config_yaml(cell.resolved), view.attempt + 1,
-        )
+        recorder.start(dataclasses.replace(cell.identity, wandb_run_id=run_id).to_json(), config_yaml(cell.resolved),
+                       view.attempt + 1)
         return _run_started_cell(cell, recorder, run_id)
 
 
@@ -138,9 +132,10 @@ def _run_started_cell(cell: Cell, recorder: CellRecorder, run_id: str) -> dict[s
 
     def log_step(step: int, record: dict[str, float], native: dict[str, float] | None = None) -> None:
         """One step: schema keys (validated) and backend-native metrics under their own names."""
+        combined = {**(native or {}), **record}
+        check_numbers(step, combined, cell.backend.name)  # first: it ends the cell, the schema's warning would not
         for problem in validate_record(record, strict=strict):
             recorder.warn(f"step {step}: {problem}")
-        combined = {**(native or {}), **record}
         recorder.record(step, combined)
         assert tracker is not None and progress is not None
         tracker.log(combined, step=step)
@@ -154,27 +149,50 @@ def _run_started_cell(cell: Cell, recorder: CellRecorder, run_id: str) -> dict[s
             name=cell.display_name, config=cell.flat_config(), init_timeout=tracking.init_timeout,
         )
         progress = Progress(cell.name, cell.steps, enabled=tracking.progress and not in_multirun())
-        get_backend(cell.backend.name).run(cell, RunContext(directory=recorder.dir, log_step=log_step, log=log))
+        with time_limit(cell.timeout):
+            get_backend(cell.backend.name).run(cell, RunContext(directory=recorder.dir, log_step=log_step, log=log))
         if recorder.records.empty:  # a complete cell always has records: the analysis relies on it
             raise RuntimeError(f"backend={cell.backend.name} returned without logging a step")
         summary = summarize_records(recorder.records)
         _close_tracker(tracker, recorder, 0, summary)
         recorder.complete(summary)
-    except KeyboardInterrupt as error:
-        interrupted = as_interrupted(error)
-        _close_tracker(tracker, recorder, interrupted.exit_status)
-        recorder.fail(interrupted, None, CellState.INTERRUPTED)
-        raise interrupted from None
     except BaseException as error:
+        if isinstance(error, KeyboardInterrupt) and from_signal(error):
+            interrupted = as_interrupted(error)
+            _close_tracker(tracker, recorder, interrupted.exit_status)
+            recorder.fail(interrupted, None, CellState.INTERRUPTED)
+            raise interrupted from None
+        # What ends a program (SystemExit, a KeyboardInterrupt that no signal caused, GeneratorExit)
+        # raised by a plugin ends its cell only: as an Exception, every launcher fails that one job.
+        failure = error if isinstance(error, Exception) else CellExit(f"{describe_error(error)} raised by the cell's "
+                                                                      "own code: it ends this cell, not the program")
         _close_tracker(tracker, recorder, 1)
-        recorder.fail(error, traceback.format_exc())
-        raise
+        recorder.fail(failure, traceback.format_exc())
+        if failure is error:
+            raise
+        raise failure from error
     finally:
         if progress is not None:
             progress.close()
     for warning in recorder.warnings:
         log.warning("%s: %s", cell.name, warning)
     return summary
+
+
+class CellExit(RuntimeError):
+    """A cell whose own code raised what ends a program (``SystemExit``, ``GeneratorExit``, a
+    ``KeyboardInterrupt`` that no signal caused): the cell fails, the sweep goes on."""
+
+
+def check_numbers(step: int, record: dict[str, Any], backend: str) -> None:
+    """Every value a backend logs is a real number: the store's records and the analysis are numbers.
+
+    NaN and infinities are numbers (an undefined or diverged step), and None stands for NaN.
+    """
+    for key, value in record.items():
+        if value is not None and not isinstance(value, numbers.Real):
+            raise TypeError(f"step {step}: {key}={value!r} (a {type(value).__name__}) logged by "
+                            f"backend={backend}: expected a number")
 
 
 def _close_tracker(tracker: WandbTracker | None, recorder: CellRecorder, exit_code: int,
@@ -240,8 +258,9 @@ def run_cell_from_cli(cfg: DictConfig) -> float | list[float]:
                 if recorded else "had not started")
         _exit(f"interrupted by {interrupted.signal_name}: {where} {what}", interrupted.exit_status)
     except Exception as error:
-        _exit(f"{where}: failed after {time.monotonic() - started:.1f} s: {describe_error(error)} (its traceback is "
-              "in status.json)", 1)
+        recorded = inspect_cell(cell.directory).state is CellState.FAILED
+        _exit(f"{where}: failed after {time.monotonic() - started:.1f} s: {describe_error(error)} "
+              f"({'its traceback is in status.json' if recorded else 'not recorded in the run store'})", 1)
     if "dry_run" in summary:
         print(summary["dry_run"], flush=True)
         print(f"{cell.name}: dry run, nothing run or written", flush=True)

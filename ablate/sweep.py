@@ -84,7 +84,7 @@ def plan_grid(jobs: Sequence[Sequence[str]], compose: Callable[[list[str]], Dict
         if cell.cell_id in seen:
             continue
         seen.add(cell.cell_id)
-        planned.append(PlannedCell(overrides, cell, cell.directory, inspect_cell(cell.directory, cell.cell_id)))
+        planned.append(PlannedCell(overrides, cell, cell.directory, inspect_cell(cell.directory, cell.identity)))
     return planned
 
 
@@ -185,7 +185,7 @@ def outcome(cell: PlannedCell) -> tuple[CellState, CellView]:
     was already running, whose current attempt is the one this sweep waits for. An attempt that
     ended damaged or whose worker died (CORRUPT, UNFINISHED) counts as FAILED; the view says which.
     """
-    view = inspect_cell(cell.directory, cell.cell.cell_id)
+    view = inspect_cell(cell.directory, cell.cell.identity)
     if view.state in (CellState.COMPLETE, CellState.RUNNING):
         return view.state, view
     if view.state is CellState.CORRUPT and cell.prior.state is CellState.CORRUPT and view.detail == cell.prior.detail:

@@ -3,7 +3,9 @@ names and a dead writer's leftovers: one line each, nothing cut or left behind (
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ import yaml
 
 from ablate.analysis.load import load_runs
 from ablate.analysis.tables import effects
+from ablate.cell import cell_id_of
 from disks import tmpfs
 from tests.test_analysis_store import BUDGETS, write_cell
 
@@ -92,16 +95,24 @@ def test_an_output_folder_under_a_file_is_one_line_with_and_without_probes(toy, 
 
     probed = tmp_path / "probed"
     subprocess.run(["cp", "-a", str(toy), str(probed)], check=True)
-    for config in probed.glob("*/config.yaml"):
+    for config in list(probed.glob("*/config.yaml")):
         tree = yaml.safe_load(config.read_text())
         tree["probes"] = probe_table(parse_probes(["none", "full", "random@0.25"]))
         config.write_text(yaml.safe_dump(tree))
+        probed_cell(config.parent, cell_id_of(tree))
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
     for extra in ([], ["--probes"]):
         error = one_line(analyze(str(probed), "--out", str(blocker / "sub"), "--no-plots", "--reps", "50", *extra))
         assert error == (f"ablate-analyze: {blocker / 'sub'}: cannot create the analysis output folder (Not a "
                          "directory); expected a writable directory")
+
+
+def probed_cell(cell: Path, cell_id: str) -> None:
+    """The cell of a config with probes: its id is the new config's hash, and its directory is named by it."""
+    identity = json.loads((cell / "cell.json").read_text())
+    (cell / "cell.json").write_text(json.dumps({**identity, "cell_id": cell_id}))
+    cell.rename(cell.with_name(f"{identity['name']}-{cell_id[:8]}"))
 
 
 @pytest.mark.slow
@@ -168,3 +179,31 @@ def test_the_next_run_removes_what_a_dead_writer_left_and_nothing_of_a_live_one(
     live.write_text("policy")
     assert analyze(str(toy), "--out", str(out), "--reps", "50", "--no-plots").returncode == 0
     assert not left.exists() and live.exists()
+
+
+def test_a_sweep_path_that_starts_with_a_dash_gets_how_to_write_it(toy, tmp_path):
+    shutil.copytree(toy, tmp_path / "-dash" / "adhoc")
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ablate.analysis", "--no-plots", "--reps", "50", *args],
+                              capture_output=True, text=True, cwd=tmp_path, timeout=600)
+
+    assert one_line(run("-dash/adhoc")) == (
+        "ablate-analyze: the following arguments are required: sweep; -dash/adhoc was read as an option: write a "
+        "path that starts with '-' as ./-dash/adhoc, or after -- (ablate-analyze --help lists the options)")
+    assert run("./-dash/adhoc").returncode == 0
+    assert run("--", "-dash/adhoc").returncode == 0
+
+
+@pytest.mark.slow
+def test_records_near_the_float_limit_print_no_numpy_warning(tmp_path):
+    """Their sums overflow: the outcomes are infinite, and neither the sweep nor the analysis warns on the console."""
+    sweep = subprocess.run([sys.executable, "-m", "ablate", "-m", "backend=noop", "backend.reward=1.7e308",
+                            "backend.steps=5", "policy=none,full,random", "budget=0.5", "seed=range(6)",
+                            "tracking.mode=disabled", "sweep=huge"], capture_output=True, text=True, cwd=tmp_path,
+                           timeout=600)
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    analysed = analyze(str(tmp_path / "runs" / "huge"), "--no-plots", "--reps", "50")
+    assert analysed.returncode == 0, analysed.stderr[-3000:]
+    for output in (sweep.stdout + sweep.stderr, analysed.stdout + analysed.stderr):
+        assert "RuntimeWarning" not in output and "overflow" not in output, output[-3000:]

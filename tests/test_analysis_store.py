@@ -14,6 +14,7 @@ import yaml
 
 from ablate.analysis.cli import main
 from ablate.analysis.load import CorruptCellError, ExcludedCellsWarning, MixedSchemaWarning, load_runs
+from ablate.cell import cell_id_of
 from ablate.outcomes import OUTCOME_NAMES, cell_outcomes
 
 SWEEP = "toy"
@@ -55,19 +56,20 @@ def write_cell(sweep_dir, policy, budget, seed, status="complete", records=True,
     sweep file's analysis block."""
     backend = {"name": "synthetic", "steps": STEPS, "router_noise": 0.07, **(backend or {})}
     name = f"{policy}-b{budget:g}-s{seed}"
-    cell_id = f"{zlib.crc32(json.dumps([name, backend, schema]).encode()):08x}" * 2
-    cell_dir = sweep_dir / f"{name}-{cell_id[:8]}"
-    cell_dir.mkdir(parents=True)
-    (cell_dir / "cell.json").write_text(json.dumps({
-        "cell_id": cell_id, "name": name, "sweep": sweep_dir.name, "backend": "synthetic",
-        "policy": policy, "budget": budget, "seed": seed, "schema_version": schema, "settings": {},
-    }))
-    (cell_dir / "config.yaml").write_text(yaml.safe_dump({
+    config = {
         "backend": backend, "policy": {"name": policy, "per_layer": False},
         "tracking": {"mode": "offline", "tags": []}, "budget": budget, "seed": seed, "sweep": sweep_dir.name,
         "store_dir": str(sweep_dir.parent), "objective": "final_reward", "trial": None,
         "schema_version": schema, **({"analysis": analysis} if analysis else {}),
+    }
+    cell_id = cell_id_of(config)
+    cell_dir = sweep_dir / f"{name}-{cell_id[:8]}"
+    cell_dir.mkdir(parents=True)
+    (cell_dir / "cell.json").write_text(json.dumps({
+        "cell_id": cell_id, "name": name, "sweep": sweep_dir.name, "backend": backend["name"],
+        "policy": policy, "budget": budget, "seed": seed, "schema_version": schema, "settings": {"per_layer": False},
     }))
+    (cell_dir / "config.yaml").write_text(yaml.safe_dump(config))
     (cell_dir / "status.json").write_text(json.dumps({
         "status": status, "error": "boom" if status == "failed" else None, "traceback": None,
         "started_at": "2026-01-01T00:00:00", "finished_at": None, "host": "h", "pid": 1,

@@ -51,16 +51,31 @@ BACKEND = Backend(name="counter", config=CounterConfig, run=run)
 '''
 
 
+#: A backend that logs a word where a number belongs, at its second step.
+WORDY_MODULE = '''
+from ablate.backends import Backend, BackendConfig
+
+
+def run(cell, context):
+    context.log_step(0, {"train/reward": 0.5})
+    context.log_step(1, {"train/reward": "high"})
+
+
+BACKEND = Backend(name="wordy", config=BackendConfig, run=run)
+'''
+
+
 @pytest.fixture()
 def installed(tmp_path):
-    """A folder holding the backend's module and its distribution's metadata, as site-packages would."""
+    """A folder holding the backends' modules and their distribution's metadata, as site-packages would."""
     site = tmp_path / "site"
     (site / "counter_backend-0.1.dist-info").mkdir(parents=True)
     (site / "counter_backend.py").write_text(COUNTER_MODULE)
+    (site / "wordy_backend.py").write_text(WORDY_MODULE)
     (site / "counter_backend-0.1.dist-info" / "METADATA").write_text(
         "Metadata-Version: 2.1\nName: counter-backend\nVersion: 0.1\n")
     (site / "counter_backend-0.1.dist-info" / "entry_points.txt").write_text(
-        "[ablate.backends]\ncounter = counter_backend:BACKEND\n")
+        "[ablate.backends]\ncounter = counter_backend:BACKEND\nwordy = wordy_backend:BACKEND\n")
     return site
 
 
@@ -127,6 +142,30 @@ def test_the_cli_runs_an_installed_backend_and_refuses_its_bad_setting_before_wr
     helped = subprocess.run([sys.executable, "-m", "ablate", "--help"], capture_output=True, text=True, cwd=tmp_path,
                             env=env, timeout=300)
     assert "backend: counter, noop, synthetic" in helped.stdout
+
+
+def test_a_value_that_is_not_a_number_fails_its_cell_recorded_with_the_error(installed, tmp_path):
+    """The issue's backend logs {"train/reward": "high"}: its cell stayed 'running' with no error and no records."""
+    env = {"PYTHONPATH": str(installed), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    base = [sys.executable, "-m", "ablate", "backend=wordy", "policy=none", "tracking.mode=disabled",
+            f"store_dir={tmp_path / 'runs'}"]
+    done = subprocess.run(base, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout == ""  # no schema warning beside the line: the value ends the cell first
+    (line,) = done.stderr.strip().splitlines()
+    assert "step 1: train/reward='high' (a str) logged by backend=wordy: expected a number" in line
+    assert line.endswith("(its traceback is in status.json)")
+    (cell_dir,) = (tmp_path / "runs" / "adhoc").glob("none-*")
+    status = json.loads((cell_dir / "status.json").read_text())
+    assert status["status"] == "failed" and "train/reward='high'" in status["error"] and status["traceback"]
+    assert read_records(cell_dir)["train/reward"].tolist() == [0.5]  # the step before it is kept
+
+    sweep = subprocess.run([*base[:3], "-m", *base[3:], "seed=0,1", "sweep=words"], capture_output=True, text=True,
+                           cwd=tmp_path, env=env, timeout=300)
+    assert sweep.returncode == 1, sweep.stdout + sweep.stderr
+    failed = [line for line in sweep.stdout.splitlines() if line.startswith("  failed: ")]
+    assert len(failed) == 2 and all("expected a number" in line for line in failed)
+    assert "no live worker holds it" not in sweep.stdout
 
 
 def documented_backend() -> str:

@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ablate.store import read_json
+from ablate.store import read_json, read_records
 
 #: One xdist worker runs every test here (``--dist loadgroup``): the Ray clusters start one at a time.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
@@ -216,5 +216,21 @@ def test_a_killed_worker_fails_its_cell_only_and_the_others_run(tmp_path, launch
     line = tally_line(out)
     assert "3 complete, 1 failed, 0 skipped" in line, line
     assert f"failed: {killed}: no live worker holds it (killed or crashed)" in out
+    assert "Traceback" not in out, out[-3000:]
+    assert sweep.left_behind() == []
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS, indirect=True)
+def test_a_cell_past_its_time_limit_ends_failed_with_its_steps_under_every_launcher(tmp_path, launcher):
+    kind, overrides, env = launcher
+    sweep = Sweep(tmp_path, [*overrides, "cell_timeout=2"], env)  # a cell needs 6 s: 20 steps of 0.3 s
+    status, out = sweep.finish()
+    assert status == 1, out[-3000:]
+    assert list(sweep.statuses().values()) == ["failed"] * 4, (sweep.statuses(), out[-3000:])
+    for cell in sweep.cells():
+        status_file = read_json(cell / "status.json")
+        assert "CellTimeout: timeout: the cell ran past cell_timeout=2 s" in status_file["error"]
+        assert 1 <= len(read_records(cell)) < 20  # the steps it logged before the limit are kept
+    assert "0 complete, 4 failed, 0 skipped" in tally_line(out)
     assert "Traceback" not in out, out[-3000:]
     assert sweep.left_behind() == []

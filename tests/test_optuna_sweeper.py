@@ -278,3 +278,19 @@ def test_a_killed_joblib_worker_fails_its_trial_only_and_the_study_goes_on(tmp_p
     killed = read_json(victim / "cell.json")["trial"]
     assert trials == {killed: TrialState.FAIL, 1 - killed: TrialState.COMPLETE}, trials
     assert read_json(cells(tmp_path, "killed")[1 - killed] / "status.json")["status"] == "complete"
+
+
+@pytest.mark.slow
+def test_two_sweepers_of_one_study_hold_it_to_n_trials_and_run_each_trial_once(tmp_path):
+    """Two processes on one journal with n_trials=4 used to end with 7 trials ("trial 7/4")."""
+    command = ablate_command(tmp_path, "hydra/sweeper=ablate_optuna", "sweep=shared", "hydra.sweeper.n_trials=4",
+                             *FISHER_SPACE, multirun=True)
+    sweepers = [subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for _ in range(2)]
+    outputs = [sweeper.communicate(timeout=600)[0] for sweeper in sweepers]
+    assert [sweeper.returncode for sweeper in sweepers] == [0, 0], outputs
+    study = load_study(tmp_path, "shared")
+    assert [trial.state for trial in study.trials] == [TrialState.COMPLETE] * 4
+    assert sorted(cells(tmp_path, "shared")) == [0, 1, 2, 3]
+    both = "\n".join(outputs)
+    assert "/4 (#" in both and "trial 5/4" not in both and "CellBusy" not in both and "Trial 0 failed" not in both

@@ -20,6 +20,8 @@ TINY = ["backend.steps=3", "backend.layers=4", "backend.experts=8", "backend.d_m
         "backend.prompts_per_step=8", "backend.group_size=8", "backend.digits=4", "tracking.mode=disabled"]
 
 ROGUE_MODULE = '''
+import os
+
 import torch
 
 from ablate.policies import ReplayPolicy, register_policy
@@ -53,12 +55,38 @@ class Lopsided(ReplayPolicy):
 
     def route_keys(self, routes, rows, draws):
         return torch.zeros(len(rows))
+
+
+@register_policy("ghost")
+class Ghost(ReplayPolicy):
+    """Ranks on the meta device, where a tensor has a shape and no values."""
+
+    def route_keys(self, routes, rows, draws):
+        return torch.zeros(len(rows), routes.num_layers, device="meta")
+
+
+@register_policy("stuck")
+class Stuck(ReplayPolicy):
+    """Never returns: a loop with no way out."""
+
+    def route_keys(self, routes, rows, draws):
+        while True:
+            pass
+
+
+@register_policy("exiter")
+class Exiter(ReplayPolicy):
+    """Ends the program from inside a cell, as code that calls sys.exit or raises what a signal would."""
+
+    def route_keys(self, routes, rows, draws):
+        raise {"SystemExit": SystemExit(0), "KeyboardInterrupt": KeyboardInterrupt(),
+               "GeneratorExit": GeneratorExit()}[os.environ["EXITER_RAISES"]]
 '''
 
 
-def ablate(tmp_path: Path, *arguments: str) -> subprocess.CompletedProcess:
+def ablate(tmp_path: Path, *arguments: str, raises: str = "SystemExit") -> subprocess.CompletedProcess:
     env = {"PYTHONPATH": str(tmp_path / "code"), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
-           "WANDB_SILENT": "true"}
+           "WANDB_SILENT": "true", "EXITER_RAISES": raises}
     return subprocess.run([sys.executable, "-m", "ablate", *arguments], capture_output=True, text=True, cwd=tmp_path,
                           env=env, timeout=300)
 
@@ -110,9 +138,59 @@ def test_a_ranking_of_the_wrong_shape_names_the_plugin_and_both_shapes(tmp_path,
     assert "expected a float tensor [valid tokens, layers]=[576, 4]" in line
 
 
+def test_a_ranking_on_the_meta_device_names_the_plugin_and_both_devices(tmp_path, code):
+    done = ablate(tmp_path, "plugins=[rogue]", "policy=ghost", "budget=0.25", *TINY)
+    assert done.returncode == 1
+    line = only_line(done.stderr)
+    assert "policy=ghost (Ghost.route_keys) returned a ranking on device meta: expected it on the routes' device, cpu" in line
+    assert "Tensor.item()" not in line
+
+
+def test_a_policy_that_never_returns_ends_failed_at_the_cell_timeout(tmp_path, code):
+    done = ablate(tmp_path, "plugins=[rogue]", "policy=stuck", "budget=0.25", "cell_timeout=3", *TINY)
+    assert done.returncode == 1, done.stdout + done.stderr
+    line = only_line(done.stderr)
+    assert "stuck-b0.25-s0" in line and "CellTimeout: timeout: the cell ran past cell_timeout=3 s" in line
+    (status_file,) = (tmp_path / "runs" / "adhoc").glob("stuck-b0.25-s0-*/status.json")
+    status = json.loads(status_file.read_text())
+    assert status["status"] == "failed" and "cell_timeout=3" in status["error"]
+
+
+#: What ends a program, raised by a plugin's own code rather than by a signal.
+PROGRAM_ENDS = ["SystemExit", "KeyboardInterrupt", "GeneratorExit"]
+
+
+@pytest.mark.parametrize("raises", PROGRAM_ENDS)
+def test_a_plugin_that_ends_the_program_fails_its_cell_in_one_line(tmp_path, code, raises):
+    done = ablate(tmp_path, "plugins=[rogue]", "policy=exiter", "budget=0.25", *TINY, raises=raises)
+    assert done.returncode == 1, done.stdout + done.stderr
+    line = only_line(done.stderr)
+    assert "exiter-b0.25-s0" in line and f"CellExit: {raises}" in line and "ends this cell, not the program" in line
+    (status_file,) = (tmp_path / "runs" / "adhoc").glob("exiter-b0.25-s0-*/status.json")
+    status = json.loads(status_file.read_text())
+    assert status["status"] == "failed" and raises in status["error"] and raises in status["traceback"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("raises", PROGRAM_ENDS)
+def test_a_plugin_that_ends_the_program_in_a_sweep_fails_its_cells_and_the_sweep_goes_on(tmp_path, code, raises):
+    """The issue's sweep: in process, SystemExit(0) used to end it at its first cell with exit status 0."""
+    done = ablate(tmp_path, "-m", "plugins=[rogue]", "policy=exiter,random", "budget=0.25", "seed=0,1", *TINY,
+                  raises=raises)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "sweep adhoc: 2 complete, 2 failed, 0 skipped" in done.stdout
+    failed = [line for line in done.stdout.splitlines() if line.startswith("  failed: ")]
+    assert len(failed) == 2 and all(f"CellExit: {raises}" in line for line in failed)
+    assert "2 of 4 cells did not complete; the other cells ran to the end" in done.stderr
+    again = ablate(tmp_path, "-m", "plugins=[rogue]", "policy=exiter,random", "budget=0.25", "seed=0,1", *TINY,
+                   raises=raises)
+    assert again.returncode == 1 and "0 complete, 2 failed, 2 skipped" in again.stdout  # the rerun goes past them too
+
+
 @pytest.mark.parametrize(("source", "said"), [
     ("raise RuntimeError('no GPU here')\n", "importing the module raised RuntimeError: no GPU here"),
     ("def broken(:\n    pass\n", "importing the module raised SyntaxError: invalid syntax"),
+    ("import sys\nsys.exit(3)\n", "importing the module raised SystemExit: 3"),
 ])
 def test_a_plugin_module_that_fails_on_import_is_one_line_exit_2(tmp_path, code, source, said):
     (code / "fragile.py").write_text(source)

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from ablate.analysis.load import CorruptCellError, ExcludedCellsWarning, load_runs
+from ablate.cell import cell_id_of
 from ablate.store import (
     STALE_AFTER,
     CellBusy,
@@ -193,8 +194,10 @@ def test_the_heartbeat_keeps_a_claim_fresh_without_steps(tmp_path):
 # --- the one classification of a cell directory ---------------------------------------------
 
 
-#: A cell identity as the runner writes it; a cell's directory is ``<name>-<cell_id[:8]>``.
-CELL_ID = "c1" * 32
+#: A cell's resolved config and its identity as the runner writes them; a cell's directory is
+#: ``<name>-<cell_id[:8]>``.
+CONFIG = {"backend": {"name": "noop"}, "policy": {"name": "random"}, "budget": 0.5, "seed": 0}
+CELL_ID = cell_id_of(CONFIG)
 
 
 def cell_dir(parent, name):
@@ -208,7 +211,7 @@ def identity(directory, cell_id=CELL_ID):
 
 def recorded_cell(directory, state="complete", steps=3, cell_id=CELL_ID):
     recorder = CellRecorder(directory)
-    recorder.start(identity(directory, cell_id), "a: 1\n", attempt=1)
+    recorder.start(identity(directory, cell_id), json.dumps(CONFIG), attempt=1)
     for step in range(steps):
         recorder.record(step, {"train/reward": float(step)})
     if state == "complete":
@@ -312,6 +315,16 @@ def test_the_recorder_returns_what_it_wrote(tmp_path):
     assert recorder.records["step"].tolist() == [0, 1, 2, 3]
     recorder.complete({"final_reward": 1.0})
     pd.testing.assert_frame_equal(recorder.records, read_records(tmp_path))
+
+
+def test_whatever_the_records_write_raises_the_cell_ends_failed_with_its_error(tmp_path, monkeypatch):
+    """A write that fails with anything (not only an OSError) must not leave the cell 'running'."""
+    recorder = recorded_cell(tmp_path, "running", steps=2)
+    monkeypatch.setattr(recorder, "_write_parquet", lambda: (_ for _ in ()).throw(ValueError("cannot hold 'high'")))
+    recorder.fail(TypeError("step 1: train/reward='high'"), "traceback")
+    status = read_json(tmp_path / "status.json")
+    assert (status["status"], status["error"]) == ("failed", "TypeError: step 1: train/reward='high'")
+    assert read_records(tmp_path)["step"].tolist() == [0, 1]  # the step log keeps them
 
 
 def test_a_new_attempt_replaces_the_previous_attempts_results_and_wandb_run(tmp_path):

@@ -141,3 +141,30 @@ def test_a_server_that_never_answers_does_not_hold_the_process_after_its_cell(tm
     assert process.returncode == 0, "".join(lines) + rest
     assert "this cell logs offline" in "".join(lines)
     assert lingered < 8, f"the process ended {lingered:.1f} s after its cell completed"
+
+
+@pytest.mark.slow
+def test_a_home_that_cannot_hold_wandbs_logs_costs_one_line(tmp_path):
+    """wandb-core logs to the console when it cannot make its log folder: about 18 lines a process."""
+    home = tmp_path / "home"
+    home.write_text("a file where the home folder should be")
+    env = {"HOME": str(home), "WANDB_SILENT": "true"}
+    env_without_cache = {key: value for key, value in os.environ.items() if key != "XDG_CACHE_HOME"}
+    said = "W&B's service cannot keep its logs in"
+
+    def output(*overrides: str, multirun: bool = False) -> str:
+        command = [sys.executable, "-m", "ablate", *(["-m"] if multirun else []), *NOOP,
+                   f"store_dir={tmp_path / 'runs'}", "tracking.mode=offline", *overrides]
+        done = subprocess.run(command, cwd=tmp_path, env={**env_without_cache, **env}, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout + done.stderr
+
+    alone = output("seed=0").splitlines()
+    assert len(alone) == 2 and said in alone[0] and "(Not a directory)" in alone[0], alone
+    assert alone[1].startswith("none-s0 (")
+    sweep = output("seed=1,2,3", "sweep=s", multirun=True)
+    assert sweep.count(said) == 1 and " INFO " not in sweep and "ERROR main" not in sweep, sweep
+    assert "3 complete, 0 failed" in sweep
+    for cell in (tmp_path / "runs" / "s").glob("none-s*"):
+        assert read_offline_run(find_offline_runs(cell / "wandb")[0]).complete

@@ -30,6 +30,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
+import numpy as np
 import pandas as pd
 
 from ablate.analysis.compare import parse_comparison
@@ -47,6 +48,7 @@ from ablate.analysis.writer import write_outputs
 from ablate.analysis.writing import OutputError, naming
 from ablate.outcomes import OUTCOME_NAMES
 from ablate.store import StoreError, atomic_write, make_directory
+from ablate.terminal import printable_output
 
 
 class UsageError(ValueError):
@@ -164,11 +166,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    printable_output()
+    arguments = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = build_parser().parse_args(argv)
-        return _analyse(args, parse_where(args.where))
+        args = build_parser().parse_args(arguments)
+        # Records near the float limit overflow in a mean: the rows say inf, the console no warning.
+        with np.errstate(over="ignore"):
+            return _analyse(args, parse_where(args.where))
     except UsageError as error:
-        print(f"ablate-analyze: {error} (ablate-analyze --help lists the options)", file=sys.stderr)
+        print(f"ablate-analyze: {error}{_dash_hint(arguments)} (ablate-analyze --help lists the options)",
+              file=sys.stderr)
         return 1
     except (FileNotFoundError, CorruptCellError, MissingExtraError, StoreError, OutputError, ValueError,
             KeyError) as error:
@@ -180,6 +187,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as error:
         print(f"ablate-analyze: {error.filename or ''}: {error.strerror or error}", file=sys.stderr)
         return 1
+
+
+def _dash_hint(arguments: Sequence[str]) -> str:
+    """Where a sweep path that starts with ``-`` was read as an option: how to write it."""
+    for text in arguments:
+        if text == "--":
+            break
+        if text.startswith("-") and not text.startswith("--") and ("/" in text or Path(text).exists()):
+            return f"; {text} was read as an option: write a path that starts with '-' as ./{text}, or after --"
+    return ""
 
 
 def _sweep_directory(args: argparse.Namespace) -> Path:

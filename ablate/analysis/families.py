@@ -32,8 +32,7 @@ adjusted interval excludes 0 exactly when ``p_adj < alpha``; a row behind a clos
 from __future__ import annotations
 
 import math
-import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -42,21 +41,12 @@ import pandas as pd
 from ablate.analysis.paired import paired_interval
 from ablate.analysis.settings import AnalysisSettings
 from ablate.analysis.stats import adjust_pvalues, interval_alphas
-
-KINDS: tuple[str, ...] = ("replay", "budget", "selection", "matched_selection", "compare")
-_SELECTOR = re.compile(r"^(?P<kind>[a-z_]+)(?::(?P<policy>[^:@]+):(?P<baseline>[^:@]+))?(?:@(?P<where>[^@]+))?$")
+from ablate.questions import Question, parse_question
 
 
 @dataclass(frozen=True)
-class Selector:
+class Selector(Question):
     """One primary question: which effect rows it names (see the module doc)."""
-
-    text: str
-    kind: str
-    policy: str | None
-    baseline: str | None
-    pooled: bool | None
-    budget: float | None
 
     def matches(self, table: pd.DataFrame) -> pd.Series:
         mask = table["effect"] == self.kind
@@ -71,24 +61,7 @@ class Selector:
 
 def parse_selector(text: str, source: str = "--primary") -> Selector:
     """``"selection:fisher:random@pooled"`` -> a :class:`Selector`; a bad one is one clear error."""
-    match = _SELECTOR.match(text.strip())
-    problem = ""
-    if not match:
-        problem = "expected KIND[:POLICY:BASELINE][@BUDGET|@pooled]"
-    elif match["kind"] not in KINDS:
-        problem = f"KIND {match['kind']!r} is not one of {', '.join(KINDS)}"
-    budget, pooled = None, None
-    if not problem and match["where"] is not None:
-        if match["where"] == "pooled":
-            pooled = True
-        else:
-            try:
-                budget, pooled = float(match["where"]), False
-            except ValueError:
-                problem = f"@{match['where']} is neither a budget nor 'pooled'"
-    if problem:
-        raise ValueError(f"{source} {text!r}: {problem}, e.g. replay or selection:fisher:random@pooled")
-    return Selector(text.strip(), match["kind"], match["policy"], match["baseline"], pooled, budget)
+    return Selector(**asdict(parse_question(text, source)))
 
 
 def default_families(table: pd.DataFrame, keys: Sequence[str]) -> pd.Series:

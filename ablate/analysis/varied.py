@@ -14,7 +14,7 @@ from typing import Any, Protocol, Sequence
 #: and the grid's own axes, which are columns of their own.
 NOT_ARM_KEYS: tuple[str, ...] = (
     "tracking", "store_dir", "sweep", "objective", "hydra", "budget", "seed", "trial", "schema_version", "policy.name",
-    "analysis",
+    "analysis", "cell_timeout",
 )
 #: The value of a key a cell's config does not have.
 MISSING = "<missing>"

@@ -176,6 +176,9 @@ class ReplayPolicy(ABC):
             got = f"shape {tuple(keys.shape)}" if isinstance(keys, Tensor) else f"a {type(keys).__name__}"
             raise PolicyError(f"policy={self.name} ({type(self).__qualname__}.route_keys) returned {got}: expected a "
                               f"float tensor [valid tokens, layers]={list(expected)} or None")
+        if keys is not None and keys.device != rows.device:  # a meta tensor has no values to rank by
+            raise PolicyError(f"policy={self.name} ({type(self).__qualname__}.route_keys) returned a ranking on device "
+                              f"{keys.device}: expected it on the routes' device, {rows.device}")
         if quotas.per_sequence:
             return segmented_top_n(keys, quotas, draws)
         if keys is None:
@@ -372,7 +375,7 @@ def load_plugins(modules: Iterable[str] = ()) -> None:
         except ImportError as error:
             raise PolicyError(f"plugins=[{module}]: the module cannot be imported ({error}): expected an importable "
                               "module that registers policies with @register_policy") from None
-        except Exception as error:  # its own code failed: a SyntaxError, an error raised at import
+        except (Exception, SystemExit) as error:  # its own code failed: a SyntaxError, an error or an exit at import
             where = f" ({error.filename}, line {error.lineno})" if isinstance(error, SyntaxError) else ""
             raise PolicyError(f"plugins=[{module}]: importing the module raised {type(error).__name__}: "
                               f"{' '.join(str(getattr(error, 'msg', error)).split())}{where}") from None

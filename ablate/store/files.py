@@ -13,6 +13,7 @@ import errno
 import json
 import math
 import os
+import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -89,6 +90,10 @@ def make_directory(path: Path, what: str) -> None:
         raise StoreError(f"{path}: a file where {what} should be; move it away, then run again") from None
     except OSError as error:
         raise StoreError(f"{path}: cannot create {what} ({error.strerror}); expected a writable directory") from None
+    except UnicodeEncodeError:  # Python's UTF-8 mode off in a locale without the path's letters
+        raise StoreError(f"{path}: cannot create {what}: its name is not text in this locale's encoding "
+                         f"({sys.getfilesystemencoding()}); run ablate with a UTF-8 locale (LC_ALL=C.UTF-8) or "
+                         "Python's UTF-8 mode (PYTHONUTF8=1)") from None
 
 
 def is_disk_full(error: BaseException) -> bool:

@@ -102,9 +102,10 @@ class CellRecorder:
         """Record a failed or interrupted attempt, keeping its steps.
 
         Best effort: it runs while an error propagates (a full disk among them), so a write that
-        fails here is logged, never raised over the original error. If even the status cannot be
-        written, it stays ``running`` with no live claim, which every reader treats as unfinished.
-        A worker that lost its claim writes nothing.
+        fails here, whatever it raises, is logged, never raised over the original error, and the
+        status is written even when the records cannot be. If even the status cannot be written,
+        it stays ``running`` with no live claim, which every reader treats as unfinished. A worker
+        that lost its claim writes nothing.
         """
         self._close_log()
         if self.claim is not None:
@@ -117,7 +118,7 @@ class CellRecorder:
         for write in (self._write_parquet, lambda: self._write_status(state, error, tb)):
             try:
                 write()
-            except (OSError, ClaimLost) as failure:
+            except Exception as failure:  # a full disk, a lost claim, records Parquet cannot hold
                 log.warning("%s: could not record the %s attempt (%s)", self.dir, state.value, failure)
 
     def _close_log(self) -> None:

@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 from ablate.store.claims import claim_holder, describe_holder
 from ablate.store.files import StoreError, read_json
+from ablate.store.identity import DETERMINED, check_identity, config_identity
 from ablate.store.layout import (
+    CELL_FILE,
     CLAIM_FILE,
     CONFIG_FILE,
     RECORDS_FILE,
@@ -19,6 +21,7 @@ from ablate.store.layout import (
     SUMMARY_FILE,
     CellIdentity,
     check_parquet,
+    read_config,
     read_identity,
     read_records_table,
     summary_with_nan,
@@ -69,25 +72,31 @@ class CellView:
 
 @dataclass(frozen=True)
 class CellContents:
-    """A complete cell's identity, summary and records, as :func:`inspect_cell` read them to check them."""
+    """A complete cell's identity, config, summary and records, as :func:`inspect_cell` read them to check them."""
 
     identity: CellIdentity
+    #: ``config.yaml``: the resolved config the identity was checked against.
+    config: dict[str, Any]
     #: ``summary.json``, with the nulls that stand for NaN turned back into NaN.
     summary: dict[str, Any]
     #: Every step record, read whole (the check that the records read back and the read are one).
     records: pa.Table
 
 
-def inspect_cell(directory: Path, cell_id: str | None = None, *, contents: bool = False) -> CellView:
+def inspect_cell(directory: Path, expected: str | CellIdentity | None = None, *, contents: bool = False) -> CellView:
     """Classify one cell directory; never raises for damage, which is the ``corrupt`` state.
 
-    ``cell_id``, when given, must match the identity in ``cell.json`` for the cell to count as
-    complete: a directory of another config under the same name is not this cell's result. A
+    ``expected``, when given, is the cell the caller looks for: its id (or its whole identity)
+    must match the one in ``cell.json`` for the cell to count as complete (a directory of another
+    config under the same name is not this cell's result), and with the same id, every other
+    field the config determines must match too (a ``cell.json`` that says another policy lies). A
     complete cell counts only when its identity (every field of :class:`CellIdentity`, and the
     directory it names), config, summary and Parquet records read back (the Parquet footer is
-    checked, not every row; ``contents=True`` reads every row and hands a complete cell's identity,
-    summary and records back in :attr:`CellView.contents`: the analysis reads each file once), so
-    a damaged cell is rerun instead of skipped, and read by no analysis.
+    checked, not every row) and the records hold a step; ``contents=True`` reads every row and
+    the config, holds the identity to what the config says and hashes to
+    (:mod:`ablate.store.identity`), and hands a complete cell's identity, config, summary and
+    records back in :attr:`CellView.contents` (the analysis reads each file once). So a damaged
+    cell is rerun instead of skipped, and read by no analysis.
     """
     # The status is read first: most cells a sweep plans have none yet, and one failed open says
     # so without the two checks below (a file where the directory is fails as ENOTDIR, not ENOENT).
@@ -122,22 +131,31 @@ def inspect_cell(directory: Path, cell_id: str | None = None, *, contents: bool 
         return CellView(directory, CellState.CORRUPT, attempt,
                         f"{directory / STATUS_FILE}: unknown status {recorded!r}; expected running, complete, "
                         "failed or interrupted")
+    cell_id = expected.cell_id if isinstance(expected, CellIdentity) else expected
     try:
         identity = read_identity(directory)
+        if cell_id is not None and identity.cell_id != cell_id:
+            return CellView(directory, CellState.NEW, attempt, f"holds another cell ({identity.cell_id})")
+        if isinstance(expected, CellIdentity):
+            check_identity(identity, {field: getattr(expected, field) for field in (*DETERMINED, "name", "variant")},
+                           directory / CELL_FILE, "the cell of this id")
         summary = read_json(directory / SUMMARY_FILE)
         if contents:
             records = read_records_table(directory)
+            rows = records.num_rows
+            config = read_config(directory)
+            check_identity(identity, config_identity(config), directory / CELL_FILE, f"its {CONFIG_FILE}")
         else:
-            check_parquet(directory / RECORDS_FILE)
-        if not (directory / CONFIG_FILE).is_file():
-            raise FileNotFoundError(errno.ENOENT, "missing", str(directory / CONFIG_FILE))
+            rows = check_parquet(directory / RECORDS_FILE)
+            if not (directory / CONFIG_FILE).is_file():
+                raise FileNotFoundError(errno.ENOENT, "missing", str(directory / CONFIG_FILE))
+        if rows == 0:
+            raise StoreError(f"{directory / RECORDS_FILE}: no step record, but the cell's status is 'complete'")
     except FileNotFoundError as error:
         return CellView(directory, CellState.CORRUPT, attempt, f"{error.filename}: missing, but the cell is complete")
     except StoreError as error:
         return CellView(directory, CellState.CORRUPT, attempt, str(error))
-    if cell_id is not None and identity.cell_id != cell_id:
-        return CellView(directory, CellState.NEW, attempt, f"holds another cell ({identity.cell_id})")
     warnings = status.get("warnings")
     kept = tuple(str(w) for w in warnings) if isinstance(warnings, list) else ()
     return CellView(directory, CellState.COMPLETE, attempt, warnings=kept,
-                    contents=CellContents(identity, summary_with_nan(summary), records) if contents else None)
+                    contents=CellContents(identity, config, summary_with_nan(summary), records) if contents else None)

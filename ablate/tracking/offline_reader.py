@@ -89,7 +89,8 @@ def read_records(path: Path | str) -> tuple[Path, list[dict[str, Any]], str | No
     log_file = resolve_log_file(path)
     command = [get_core_path(), "leet", "inspect", "--no-observability", "--json", "--run-file", str(log_file),
                str(log_file.parent)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    # Its JSON is UTF-8 whatever the locale (a tag or a path may hold any character).
+    result = subprocess.run(command, capture_output=True, encoding="utf-8", timeout=120)
     message = result.stderr.strip() or None
     if result.returncode != 0:
         raise ValueError(f"{log_file}: not a readable W&B transaction log ({message or f'exit status {result.returncode}'})")

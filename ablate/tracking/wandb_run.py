@@ -51,6 +51,7 @@ from typing import Any
 import wandb
 
 from ablate.config import TrackingMode
+from ablate.tracking.cache_home import service_cache_home
 from ablate.tracking.offline_reader import STEP_KEY, is_complete
 
 logger = logging.getLogger(__name__)
@@ -217,18 +218,21 @@ def start_tracker(
             reinit="create_new", settings=_settings(init_timeout, finish_timeout, save_requirements),
         )
 
-    run, error = _attempt(init, mode)
-    if run is None and mode == "online":
-        _server_unreachable.append(f"{type(error).__name__}: {error}")
-        notes.append(f"W&B online start failed within init_timeout={init_timeout:g} s ({type(error).__name__}: "
-                     f"{error}): this cell logs offline; upload it later with wandb sync")
-        # The failed run's stream still holds the run id in this service: an offline start of the
-        # same id would wait for it until init_timeout, fail, and leave one more empty run folder.
-        restart_wandb()
-        run, error = _attempt(init, "offline")
+    moved: list[str] = []  # said once, with the cell's warnings: the service's own lines were the noise
+    with service_cache_home(moved):  # a service W&B starts here must not log to the console
+        run, error = _attempt(init, mode)
+        if run is None and mode == "online":
+            _server_unreachable.append(f"{type(error).__name__}: {error}")
+            notes.append(f"W&B online start failed within init_timeout={init_timeout:g} s ({type(error).__name__}: "
+                         f"{error}): this cell logs offline; upload it later with wandb sync")
+            # The failed run's stream still holds the run id in this service: an offline start of the
+            # same id would wait for it until init_timeout, fail, and leave one more empty run folder.
+            restart_wandb()
+            run, error = _attempt(init, "offline")
     remove_other_runs(run_dir / "wandb", run.id if run is not None else run_id,
                       Path(run.settings.sync_file).parent if run is not None else None)
     tracker = WandbTracker(run, flush_timeout)
+    tracker.warnings.extend(moved)
     for note in notes:
         tracker._warn(note, None)
     if run is None:

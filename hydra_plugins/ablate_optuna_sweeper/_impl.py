@@ -4,10 +4,11 @@ Each trial is an ordinary job of the app with the suggested values plus ``trial=
 overrides, so a trial is a cell like any other: same run store, same W&B group.
 
 Resuming: the study lives in persistent storage and is loaded if it exists (:mod:`._study`).
-``n_trials`` is the size the study should reach; complete and failed trials of earlier runs
-count. A trial left RUNNING by a driver that died is relaunched under its own number with its own
+``n_trials`` is the size the study should reach, whoever runs it: trials of earlier runs count,
+and so do those another sweeper of the same study asks for at the same time (:mod:`._drivers`).
+A trial left RUNNING by a driver that died is relaunched under its own number with its own
 parameters: the cell is read back from the run store if it completed before the crash, and rerun
-otherwise, so no trial is lost or duplicated. Run one sweeper per study at a time.
+otherwise, so no trial is lost or duplicated; a trial another live sweeper drives is left to it.
 
 The work is split by concern: :mod:`._study` (storage, resume, sampler), :mod:`._trials` (the
 loop of ask, launch and tell), :mod:`._batch` (the launch of one batch) and :mod:`._report`.
@@ -27,6 +28,7 @@ from ablate.overrides import quoted_override
 from ablate.store import store_root
 
 from ._batch import BatchLauncher
+from ._drivers import abandoned
 from ._report import FINISHED, describe_space, report
 from ._search_space import parse_search_space
 from ._study import StudyStorage, directions_of, metric_names_for, open_study
@@ -77,13 +79,16 @@ class OptunaStudySweep:
         study = open_study(self.study_name, self.storage, self.directions, self.sampler,
                            metric_names_for(self.metric_names, self.config.get("objective")))
         previous = study.get_trials(deepcopy=False)
-        interrupted = [t for t in previous if t.state == TrialState.RUNNING]
+        running = [t for t in previous if t.state == TrialState.RUNNING]
+        interrupted = [t for t in running if abandoned(t)]
         finished = sum(t.state in FINISHED for t in previous)
-        to_ask = max(0, self.n_trials - finished - len(interrupted))
+        to_ask = max(0, self.n_trials - len(previous))
+        others = len(running) - len(interrupted)
+        elsewhere = f"{others} running in another sweeper, " if others else ""
         log.info(
-            "Study %r in %s: %d trials finished, %d interrupted (relaunched), %d to ask for (n_trials=%d). "
+            "Study %r in %s: %d trials finished, %d interrupted (relaunched), %s%d to ask for (n_trials=%d). "
             "Search space:\n%s",
-            study.study_name, self.storage, finished, len(interrupted), to_ask, self.n_trials,
+            study.study_name, self.storage, finished, len(interrupted), elsewhere, to_ask, self.n_trials,
             describe_space(space.distributions),
         )
         # Every worker writes to the same store, wherever its working directory is (Ray, SLURM).
@@ -91,7 +96,7 @@ class OptunaStudySweep:
         store = quoted_override("store_dir", str(store_root(str(self.config.store_dir))))
         compose = JobComposer(self.config, self.hydra_context.config_loader)
         loop = TrialLoop(study, self.directions, self.n_trials, self.n_jobs, self.max_failure_rate,
-                         BatchLauncher(self.launcher, compose))
+                         BatchLauncher(self.launcher, compose), self.storage.journal)
         with stop_file(make_sweep_directory(self.config)):  # named for every worker: a stopping study's queued trials do not start
             loop.run(space, interrupted, to_ask, store)
         export_dir = store_root(self.export_dir) if self.export_dir is not None else None

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Optional
 
 import optuna
 from omegaconf import ListConfig
 from optuna.trial import FrozenTrial, TrialState
 
+from ._drivers import asking, mark
 from ._report import TrialLog
 
 log = logging.getLogger(__name__)
@@ -31,25 +33,36 @@ class StudyFailed(RuntimeError):
 
 class TrialLoop:
     def __init__(self, study: optuna.Study, directions: list[str], n_trials: int, n_jobs: int,
-                 max_failure_rate: float, launch: Callable[[list[list[str]]], list[Any]]) -> None:
+                 max_failure_rate: float, launch: Callable[[list[list[str]]], list[Any]],
+                 journal: Optional[Path] = None) -> None:
         self.study, self.directions = study, directions
         self.n_trials, self.n_jobs, self.max_failure_rate = n_trials, n_jobs, max_failure_rate
         self.launch = launch
+        self.journal = journal
         self.last_error: Optional[BaseException] = None
         self.log = TrialLog(n_trials, len(directions))
 
     def run(self, space: Any, interrupted: list[FrozenTrial], to_ask: int, store: str) -> None:
-        """Relaunch ``interrupted``, then ask for ``to_ask`` new trials; every job gets ``store``."""
+        """Relaunch ``interrupted``, then ask for up to ``to_ask`` new trials, while the study holds fewer
+        than ``n_trials`` (other sweepers may ask too: :mod:`._drivers`); every job gets ``store``."""
         interrupted = list(interrupted)
         while interrupted or to_ask:
             batch: list[tuple[int, dict[str, Any]]] = []
             while interrupted and len(batch) < self.n_jobs:
                 trial = interrupted.pop(0)
+                mark(self.study, trial._trial_id)
                 batch.append((trial.number, trial.params))
             while to_ask and len(batch) < self.n_jobs:
-                trial = self.study.ask(dict(space.distributions))
-                batch.append((trial.number, trial.params))
+                with asking(self.journal):
+                    if len(self.study.get_trials(deepcopy=False)) >= self.n_trials:
+                        to_ask = 0
+                        break
+                    asked = self.study.ask(dict(space.distributions))
+                    mark(self.study, asked._trial_id)
+                batch.append((asked.number, asked.params))
                 to_ask -= 1
+            if not batch:
+                break
             jobs = [[*(o for o in space.trial_overrides(params) if not o.startswith("store_dir=")),
                      f"{TRIAL_KEY}={number}", store] for number, params in batch]
             for (number, params), result in zip(batch, self.launch(jobs)):

@@ -151,3 +151,38 @@ def test_the_cpu_config_passes_the_launch_checks_for_every_policy(tmp_path, poli
     composed = compose_verl(config_dir, "ablate_ppo_cpu", command[5:])
     assert composed.actor_rollout_ref.rollout.name == ROLLOUT_NAME
     assert composed.ray_kwargs.ray_init.include_dashboard is False
+
+
+def verl_command_line(tmp_path, *overrides):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "ablate", "backend=verl", "policy=fisher", "budget=0.25", "seed=0",
+                           "tracking.mode=disabled", f"store_dir={tmp_path}", *overrides],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry_run", "launch"])
+def test_an_override_verls_config_refuses_is_one_line_exit_2_and_nothing_written(tmp_path, dry_run):
+    done = verl_command_line(tmp_path, *(["backend.dry_run=true"] if dry_run else []),
+                             "backend.overrides=['no.such.key=1']")
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [
+        "ablate: backend.overrides: no.such.key=1: verl's config ablate_ppo refuses it (Could not override "
+        "'no.such.key'. To append to your config use +no.such.key=1)"]
+    assert not (tmp_path / "adhoc").exists()
+
+
+@pytest.mark.parametrize(("override", "said"), [
+    ("actor_rollout_ref.model.path=/no/such/model",
+     "actor_rollout_ref.model.path=/no/such/model: no such folder; expected a local model folder or a hub id "
+     "(org/name) that verl downloads"),
+    ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3",
+     "actor_rollout_ref.actor.megatron: tensor (3) x pipeline (1) x context (1) parallel sizes = 3 do not divide the "
+     "8 GPUs of trainer.n_gpus_per_node x trainer.nnodes; Megatron would refuse the layout once the workers start"),
+], ids=["model_path", "tensor_parallel"])
+def test_a_dry_run_refuses_a_missing_model_and_a_layout_megatron_refuses(tmp_path, override, said):
+    done = verl_command_line(tmp_path, "backend.dry_run=true", f"backend.overrides=['{override}']")
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [f"ablate: {said}"]
+    assert not (tmp_path / "adhoc").exists()

@@ -1,9 +1,9 @@
 """The run store as a source: the complete cells of a sweep directory, read through :mod:`ablate.store`.
 
 The store decides what a cell is (:func:`~ablate.store.inspect_cell`): complete only with a valid
-identity that names its own directory, its config, summary and Parquet records; every other cell
-is counted by its state, and a corrupt one raises :class:`CorruptCellError` naming its file (or,
-with ``on_corrupt="exclude"``, is counted and named).
+identity that names its own directory and agrees with its config, its summary and Parquet records
+(a step at least); every other cell is counted by its state, and a corrupt one raises
+:class:`CorruptCellError` naming its file (or, with ``on_corrupt="exclude"``, is counted and named).
 
 Each complete cell costs the parsing of its files and nothing per cell beyond it: its records are
 read as an Arrow table when the store checks them (``inspect_cell(..., contents=True)``), all of them concatenated
@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import yaml
 
 from ablate.analysis.sources import (
     CELL,
@@ -35,17 +34,12 @@ from ablate.analysis.sources import (
 )
 from ablate.outcomes import OUTCOME_NAMES
 from ablate.store import (
-    CONFIG_FILE,
     RECORDS_FILE,
     SUMMARY_FILE,
     CellState,
     cell_directories,
     inspect_cell,
 )
-
-#: libyaml's loader where PyYAML was built with it (about 10x faster on a sweep of many cells).
-_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
 
 def read_store(sweep_path: Path, on_corrupt: str) -> Loaded:
     """The complete cells of a sweep directory, with their summaries' outcomes where those stand."""
@@ -55,22 +49,19 @@ def read_store(sweep_path: Path, on_corrupt: str) -> Loaded:
     corrupt: list[str] = []
     for cell_dir in cell_directories(sweep_path):
         view = inspect_cell(cell_dir, contents=True)
-        try:
-            if view.state is CellState.CORRUPT:
-                raise CorruptCellError(view.detail or f"{cell_dir}: corrupt cell")
-            if view.state is not CellState.COMPLETE:
-                excluded[EXCLUDED_AS[view.state]] += 1
-                continue
-            config = read_config(cell_dir / CONFIG_FILE)
-        except CorruptCellError as error:
+        if view.state is CellState.CORRUPT:
+            error = CorruptCellError(view.detail or f"{cell_dir}: corrupt cell")
             if on_corrupt == "error":
-                raise
+                raise error
             excluded["corrupt"] += 1
             corrupt.append(str(error))
             continue
+        if view.state is not CellState.COMPLETE:
+            excluded[EXCLUDED_AS[view.state]] += 1
+            continue
         contents = view.contents
         assert contents is not None
-        identity = contents.identity
+        identity, config = contents.identity, flatten_config(contents.config)
         meta = {
             **vars(identity), "sweep": identity.sweep or sweep_path.name, "status": CellState.COMPLETE.value,
             "path": str(cell_dir), "schema_version": version(identity.schema_version or config.get("schema_version")),
@@ -79,17 +70,6 @@ def read_store(sweep_path: Path, on_corrupt: str) -> Loaded:
         cells.append(LoadedCell(with_arm(meta), config, outcomes=_summary_outcomes(cell_dir, contents.summary)))
         records.add(contents.records)
     return Loaded(cells, records.frame(), excluded, corrupt)
-
-
-def read_config(path: Path) -> dict[str, Any]:
-    """A cell's resolved config, flattened with dots (the store checked that it exists)."""
-    try:
-        tree = yaml.load(path.read_bytes(), Loader=_YAML_LOADER)
-    except (OSError, yaml.YAMLError) as error:
-        raise CorruptCellError(f"{path}: unreadable config ({error}); expected the YAML written by ablate") from None
-    if not isinstance(tree, dict):
-        raise CorruptCellError(f"{path}: corrupt config: expected a YAML mapping, found {type(tree).__name__}")
-    return flatten_config(tree)
 
 
 def _summary_outcomes(cell_dir: Path, summary: dict[str, Any]) -> dict[str, float] | None:

@@ -29,6 +29,7 @@ from ablate.backends.verl.hook_settings import HookSettings
 from ablate.backends.verl.launch import (
     check_cell_config,
     check_engine,
+    check_resources,
     check_verl,
     compose,
     hydra_string,
@@ -142,8 +143,9 @@ def build_command(cell: Cell, metrics_file: Path, *, launch: bool = True) -> tup
     check_cell_config(draft, cell.policy, cell.plugins, engine=engine)
     settings = dataclasses.replace(settings, update_epochs=update_epochs(draft))
     overrides = [*verl_overrides(settings), *own]
-    check_cell_config(compose(config_dir, cfg.config_name, overrides), cell.policy, cell.plugins,
-                      [probe.id for probe in cell.probes], engine=engine)
+    final = compose(config_dir, cfg.config_name, overrides)
+    check_cell_config(final, cell.policy, cell.plugins, [probe.id for probe in cell.probes], engine=engine)
+    check_resources(final, model_made_by_ablate=cfg.cpu is not None)  # the CPU stand-in makes its own model
     command = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={config_dir.resolve()}",
                f"--config-name={cfg.config_name}", *overrides]
     return command, env

@@ -282,11 +282,17 @@ def update_epochs(config) -> int:
 
 
 def compose(config_dir: str | Path, config_name: str, overrides: Sequence[str]):
-    """verl's config extended by ``config_dir/config_name`` with ``overrides``, as main_ppo sees it."""
+    """verl's config extended by ``config_dir/config_name`` with ``overrides``, as main_ppo sees it.
+
+    An override verl's config refuses (a key it does not have, a choice it does not offer, text
+    Hydra cannot read) is a :class:`VerlLaunchError` naming the override and verl's reason.
+    """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
     from hydra.initialize import get_gh_backup, restore_gh_from_backup
+    from omegaconf.errors import OmegaConfBaseException
 
     # Inside ``python -m ablate`` Hydra's global state belongs to the running app, and
     # initialize_config_dir refuses to start a second one: set the app's state aside for the
@@ -296,8 +302,55 @@ def compose(config_dir: str | Path, config_name: str, overrides: Sequence[str]):
     try:
         with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
             return hydra_compose(config_name=config_name, overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as error:
+        raise VerlLaunchError(refused_override(error, overrides, config_name)) from None
     finally:
         restore_gh_from_backup(running_app)
+
+
+def refused_override(error: Exception, overrides: Sequence[str], config_name: str) -> str:
+    """One line for a composition of verl's config that failed: the override it names, and why."""
+    # Hydra's reason runs over several lines, and a missing choice lists the search path after it.
+    reason = " ".join(str(error).split("\nConfig search path")[0].split())
+    by_key = [o for o in overrides if f"'{o.lstrip('+~').split('=', 1)[0]}" in reason]
+    by_text = [o for o in overrides if o.partition("=")[2] and o.partition("=")[2] in reason]
+    named = by_key or by_text  # the user's overrides come after ablate's own: the last one is the likelier
+    where = f"backend.overrides: {named[-1]}" if named else f"backend.overrides={list(overrides)}"
+    return f"{where}: verl's config {config_name} refuses it ({reason})"
+
+
+def check_resources(config, *, model_made_by_ablate: bool) -> None:
+    """What the cell's GPUs and disk must hold, which neither verl's config nor a dry run checks.
+
+    The model: a path written as a path (``/``, ``./``, ``../``, ``~``) must be a folder here; a
+    hub id (``org/name``) is verl's to download. Megatron's parallel layout: the GPUs
+    (``trainer.n_gpus_per_node`` x ``trainer.nnodes``) must be a multiple of tensor x pipeline x
+    context parallel sizes, and of expert-tensor x expert x pipeline sizes
+    (``megatron.core.parallel_state.initialize_model_parallel``), which verl checks only without
+    dynamic batch sizes, and Megatron on the GPUs once the model is built.
+    """
+    from omegaconf import OmegaConf
+
+    path = str(config.actor_rollout_ref.model.path)
+    if not model_made_by_ablate and path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().is_dir():
+        raise VerlLaunchError(f"actor_rollout_ref.model.path={path}: no such folder; expected a local model folder "
+                              "or a hub id (org/name) that verl downloads")
+    gpus = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+    for role in ("actor", "ref"):
+        key = f"actor_rollout_ref.{role}.megatron"
+        if OmegaConf.select(config, f"actor_rollout_ref.{role}.strategy", default=None) != "megatron":
+            continue
+        sizes = {name: OmegaConf.select(config, f"{key}.{name}", default=None) for name in (
+            "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+            "expert_model_parallel_size", "expert_tensor_parallel_size")}
+        tp, pp, cp = (int(sizes[name] or 1) for name in list(sizes)[:3])
+        ep, etp = int(sizes["expert_model_parallel_size"] or 1), int(sizes["expert_tensor_parallel_size"] or tp)
+        for group, product in ((f"tensor ({tp}) x pipeline ({pp}) x context ({cp})", tp * pp * cp),
+                               (f"expert tensor ({etp}) x expert ({ep}) x pipeline ({pp})", etp * ep * pp)):
+            if gpus % product:
+                raise VerlLaunchError(
+                    f"{key}: {group} parallel sizes = {product} do not divide the {gpus} GPUs of trainer.n_gpus_per_node"
+                    f" x trainer.nnodes; Megatron would refuse the layout once the workers start")
 
 
 __all__ = [
@@ -306,6 +359,7 @@ __all__ = [
     "ENGINES",
     "check_cell_config",
     "check_engine",
+    "check_resources",
     "check_verl",
     "compose",
     "hydra_string",
