@@ -67,6 +67,14 @@ def test_none_and_full_collapse_to_one_cell_per_seed_and_every_cell_is_new(tmp_p
     assert not tmp_path.exists() or not any(tmp_path.iterdir())  # planning writes nothing
 
 
+def test_the_plan_is_seed_major_every_arm_of_a_seed_before_the_next_seed(tmp_path):
+    """Hydra's grid runs one policy after another; the plan runs seed by seed, the seeds in the order the grid
+    names them and each seed's arms in grid order, so every prefix of a sweep holds whole seeds of every arm."""
+    planned = plan_grid(grid(policy=["none", "random", "fisher"], budget=[0.1, 0.5], seed=[2, 0]), composer(tmp_path))
+    arms = ["none", "random-b0.1", "random-b0.5", "fisher-b0.1", "fisher-b0.5"]
+    assert [p.cell.name for p in planned] == [f"{arm}-s{seed}" for seed in (2, 0) for arm in arms]
+
+
 def test_a_bad_value_in_one_job_fails_the_plan_and_names_the_job(tmp_path):
     jobs = grid(policy=["random"], budget=[0.1], seed=[0]) + [["policy=fisher", "budget=0.1", "policy.fisher.decay=1.5"]]
     with pytest.raises(ConfigError, match=r"policy.fisher.decay=1.5: .* \(in the sweep job policy=fisher budget=0.1 "):
