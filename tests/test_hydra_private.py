@@ -12,6 +12,7 @@ from hydra._internal.utils import create_config_search_path
 from hydra.core.object_type import ObjectType
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.plugins.config_source import ConfigSource
+from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from hydra_plugins.ablate_grid_sweeper.grid_sweeper import grid_jobs
@@ -21,6 +22,7 @@ from hydra_plugins.ablate_grid_sweeper.hydra_private import (
     apply_overrides,
     config_repository,
     share_config_store,
+    value_node_kind,
 )
 from hydra_plugins.ablate_sweeps.sweeps_source import AblateSweepsConfigSource
 
@@ -77,3 +79,32 @@ def test_the_grid_is_expanded_as_hydras_basic_sweeper_expands_it():
                  "tag='a, b'", "backend=noop"]
     overrides = OverridesParser.create().parse_overrides(arguments)
     assert grid_jobs(overrides) == BasicSweeper.split_arguments(overrides, None)[0]
+
+
+def test_the_grids_values_are_the_overrides_hydra_parses_from_their_text():
+    """The grid's value overrides are built from the sweep already parsed (a seed a millisecond otherwise):
+    each must be what parsing its text gives, and one that may not be (quoted, escaped, a list) is parsed."""
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path("pkg://ablate.conf"))
+    parser = OverridesParser.create(config_loader=loader)
+    arguments = ["seed=range(-2,3)", "budget=0.05,1e-3,0.3,inf", "policy.per_layer=true,False", "backend=noop,synthetic",
+                 "tracking.project=a-b.c,x_1,+y", "objective=null", "+tag=1", "++other=2.5", "tracking.tags='a, b'",
+                 "policy.tau=2", "extra=[1,2],{a: 1}", "label=a\\\\ b,'007'"]
+    parsed = {}
+    jobs = grid_jobs(parser.parse_overrides(arguments), parsed)
+    assert len(jobs) == 5 * 4 * 2 * 2 * 3 * 2 * 2
+    assert {"seed=-2", "budget=0.001", "budget=inf", "policy.per_layer=True", "tracking.project=+y", "objective=null",
+            "+tag=1", "++other=2.5"} <= set(parsed)
+    # Quoted, escaped, a list or a mapping: these are parsed from their text.
+    assert {text for job in jobs for text in job} - set(parsed) == {
+        "tracking.tags='a, b'", "extra=[1,2]", "extra={a:1}", "label='007'", "label=a\\\\\\ b"}
+    for text, built in parsed.items():
+        assert built == parser.parse_override(text), text
+
+
+def test_the_kind_of_a_value_node_is_what_types_a_value_set_there():
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path("pkg://ablate.conf"))
+    cfg = loader.load_configuration("config", overrides=["policy=fisher"], run_mode=RunMode.RUN)
+    seed, budget = value_node_kind(cfg, "seed"), value_node_kind(cfg, "budget")
+    assert seed is not None and budget is not None and seed != budget  # an int, and a float that takes None
+    assert value_node_kind(cfg.policy, "tau") == value_node_kind(cfg.policy, "tau")
+    assert value_node_kind(cfg, "backend") is None and value_node_kind(cfg, "nothing") is None

@@ -20,6 +20,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 
+from ablate.compose import cell_from_config
 from ablate.config import ConfigError
 from ablate.runner import run_cell
 from ablate.store import CellState, read_json
@@ -241,6 +242,24 @@ def test_a_cell_planned_from_its_template_is_the_cell_of_its_composed_config(swe
             values = {**values, "budget": None}
         fast, slow = template.cell(values), cell_from_config(composer(job))
         assert fast == slow and fast.resolved == slow.resolved, job
+
+
+def test_a_template_checks_each_new_value_of_a_section_and_reuses_a_cell_for_the_same_values(tmp_path):
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path("pkg://ablate.conf"))
+    master = loader.load_configuration("config", overrides=[], run_mode=RunMode.MULTIRUN)
+    composer = JobComposer(master, loader)
+    job = ["backend=noop", "policy=none", "tracking.mode=disabled", f"store_dir={tmp_path}"]
+    template, values = composer.template([*job, "seed=1", "backend.steps=3"])
+    first = template.cell(values)
+    assert template.cell(dict(values)) is first  # the same job again (none at another budget, collapsed)
+    assert template.cell({**values, "backend.steps": 4}).backend.steps == 4
+    with pytest.raises(ConfigError, match=r"backend.steps=0"):
+        template.cell({**values, "backend.steps": 0})
+    with pytest.raises(ConfigError, match=r"backend.steps=0"):  # a failed check is not remembered as passed
+        template.cell({**values, "backend.steps": 0, "seed": 2})
+    with pytest.raises(ConfigError, match=r"seed=-1"):  # top-level values are checked in every job
+        template.cell({**values, "seed": -1})
+    assert template.cell({**values, "seed": 2}) == cell_from_config(composer([*job, "seed=2", "backend.steps=3"]))
 
 
 def test_a_job_a_template_cannot_describe_is_composed_whole(tmp_path):
