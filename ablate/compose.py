@@ -25,7 +25,7 @@ import functools
 import inspect
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import fields, is_dataclass
 from enum import Enum
 from typing import Any
@@ -78,11 +78,12 @@ def load_config_plugins(cfg: DictConfig) -> tuple[str, ...]:
     return plugins
 
 
-def build_cell(app: AppConfig, plain: dict[str, Any], plugins: tuple[str, ...], sections: Iterable[str]) -> Cell:
+def build_cell(app: AppConfig, plain: dict[str, Any], plugins: tuple[str, ...], sections: Collection[str]) -> Cell:
     """The :class:`Cell` of a typed config and its plain (resolved) form, every value checked.
 
     ``sections`` are the sections to check (every one, but for a cell derived from a template whose
-    other sections were checked already); the top-level values are always checked.
+    other sections were checked already; the policy's settings are checked with its section); the
+    top-level values are always checked.
     """
     if "backend" in sections:
         # A misspelt backend.name composes (the field is a string) but has nothing to run the cell.
@@ -97,7 +98,8 @@ def build_cell(app: AppConfig, plain: dict[str, Any], plugins: tuple[str, ...], 
     name = app.policy.name
     policy_cfg = plain["policy"]
     settings = {k: v for k, v in policy_cfg.items() if k not in ("name", "fisher")}
-    _check_policy_settings(name, settings)
+    if "policy" in sections:
+        _check_policy_settings(name, settings)
     fisher, trial = app.policy.fisher, app.trial
     replay = replay_spec(plain, PolicySpec(name, settings, fisher_decay=fisher.decay,
                                            fisher_normalize=choice_value(fisher.normalize), plugins=plugins))
@@ -139,6 +141,9 @@ class CellTemplate:
         self.app, self.plain = app, resolved_plain(cfg)
         self.fixed_budget = policy_class(app.policy.name).fixed_budget
         self._checked: set[str] = set()
+        self._sections: dict[tuple[str, tuple[Any, ...]], Any] = {}
+        self._checked_settings: set[tuple[str, tuple[Any, ...]]] = set()
+        self._cells: dict[tuple[Any, ...], Cell] = {}
 
     @classmethod
     def of(cls, cfg: DictConfig) -> CellTemplate | None:
@@ -146,7 +151,15 @@ class CellTemplate:
         return None if has_interpolation(cfg) else cls(cfg)
 
     def cell(self, values: Mapping[str, Any]) -> Cell:
-        """The cell with ``values`` (dotted key -> value, typed as the config's schema types it) set."""
+        """The cell with ``values`` (dotted key -> value, typed as the config's schema types it) set.
+
+        Each section with a new combination of values is rebuilt and checked once: the jobs of a grid
+        share a few (``backend.router_noise=0.2``, ``tracking.mode=disabled``) across many seeds. A
+        job with the values of an earlier job (``none`` at every budget of a grid) gets its cell.
+        """
+        job = _values_key(values.items())
+        if job in self._cells:
+            return self._cells[job]
         plain, top, nested = self.plain, {}, {}
         for key, value in values.items():
             path = key.split(".")
@@ -155,17 +168,31 @@ class CellTemplate:
                 top[key] = value
             else:
                 nested.setdefault(path[0], []).append((path[1:], value))
+        unchecked = [name for name in AppConfig.SECTIONS if name not in self._checked and name not in nested]
+        new_settings = []
         for section, settings in nested.items():
-            node = getattr(self.app, section)
-            for path, value in settings:
-                node = _replaced(node, path, value)
-            top[section] = node
+            setting = (section, _values_key((tuple(path), value) for path, value in settings))
+            if setting not in self._sections:
+                node = getattr(self.app, section)
+                for path, value in settings:
+                    node = _replaced(node, path, value)
+                self._sections[setting] = node
+            if setting not in self._checked_settings:
+                unchecked.append(section)
+                new_settings.append(setting)
+            top[section] = self._sections[setting]
         app = dataclasses.replace(self.app, **top) if top else self.app
-        touched = set(nested)
-        unchecked = [section for section in AppConfig.SECTIONS if section not in self._checked and section not in touched]
-        cell = build_cell(app, plain, self.plugins, [*touched, *unchecked])
-        self._checked.update(unchecked)  # what no job changes is checked once per template
+        cell = build_cell(app, plain, self.plugins, unchecked)
+        # Checked now: what no job changes once per template, each section's values once.
+        self._checked.update(section for section in unchecked if section not in nested)
+        self._checked_settings.update(new_settings)
+        self._cells[job] = cell
         return cell
+
+
+def _values_key(values: Iterable[tuple[Any, Any]]) -> tuple[tuple[Any, type, Any], ...]:
+    """Values as a dictionary key that tells 1, 1.0 and True apart (equal in Python, not in a config)."""
+    return tuple((key, type(value), value) for key, value in values)
 
 
 def has_interpolation(cfg: DictConfig | ListConfig) -> bool:
@@ -206,8 +233,8 @@ _CHECKED_OBJECTIVES: set[str] = set()
 
 
 def _check_objective(objective: Any) -> None:
-    """:func:`ablate.outcomes.check_objective`, once per distinct objective."""
-    key = json.dumps(objective, default=str)
+    """:func:`ablate.outcomes.check_objective`, once per distinct objective (a name or a list of names)."""
+    key = repr(objective)
     if key not in _CHECKED_OBJECTIVES:
         check_objective(objective)
         _CHECKED_OBJECTIVES.add(key)

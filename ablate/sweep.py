@@ -11,6 +11,8 @@ and resumable *before* any launcher sees it:
 - Each cell is classified by the run store (:func:`ablate.store.inspect_cell`): complete cells
   are skipped, cells another live worker is running are waited for, and all others (new,
   failed, interrupted, unfinished, corrupt) are launched.
+- The cells are put in seed-major order (:func:`seed_major`): every arm of the first seed, then
+  every arm of the next, so a sweep stopped at any point holds whole seeds of every arm.
 
 While cells run, :class:`ProgressReporter` polls the store, and at the end :func:`tally` counts
 each cell by what the store says it became, never by what the launcher returned: a cell counts
@@ -66,7 +68,7 @@ def override_key(override: str) -> str:
 
 
 def plan_grid(jobs: Sequence[Sequence[str]], compose: Callable[[list[str]], DictConfig]) -> list[PlannedCell]:
-    """Budget-matched, de-duplicated cells of a grid, with their state in the run store.
+    """Budget-matched, de-duplicated cells of a grid, with their state in the run store, seed-major.
 
     ``compose(overrides)`` returns the app config of one job (the sweeper composes with Hydra;
     tests may pass any function that builds the config). A composer that also has
@@ -85,7 +87,22 @@ def plan_grid(jobs: Sequence[Sequence[str]], compose: Callable[[list[str]], Dict
             continue
         seen.add(cell.cell_id)
         planned.append(PlannedCell(overrides, cell, cell.directory, inspect_cell(cell.directory, cell.identity)))
-    return planned
+    return seed_major(planned)
+
+
+def seed_major(planned: Sequence[PlannedCell]) -> list[PlannedCell]:
+    """The cells by seed, in the order the grid first names each seed, and within a seed in grid order.
+
+    Hydra's grid is the product of the keys in the order they appear, so a sweep file's
+    ``policy, budget, seed`` runs one policy after another: stopped early, it would hold ``none``,
+    ``full`` and ``random`` and nothing to compare a selection with. Seed-major, a sweep stopped
+    after any number of cells holds every arm at its first seeds (the last seed partly), and each
+    launcher starts the cells in this order.
+    """
+    rank: dict[int, int] = {}
+    for cell in planned:
+        rank.setdefault(cell.cell.seed, len(rank))
+    return sorted(planned, key=lambda cell: rank[cell.cell.seed])
 
 
 def _planned_cell(overrides: list[str], compose: Callable[[list[str]], DictConfig]) -> tuple[list[str], Cell]:

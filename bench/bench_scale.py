@@ -10,8 +10,11 @@ size (``--sizes``; stores made by ``bench/make_store.py``: real synthetic cells 
 with their identity rewritten, the ``budget_selection`` grid of 264 cells per value of
 ``backend.router_noise``):
 
-- **plan**: ``python -m ablate -m <the store's grid> hydra.sweeper.dry_run=true``, against the
-  plan of the same grid at about 100 cells. Goal: at most 2x.
+- **plan**: ``python -m ablate -m <grid> hydra.sweeper.dry_run=true``, against the plan of the same
+  sweep at about 100 cells, for three shapes of grid: many settings (the store's grid: 38 values of
+  ``backend.router_noise`` at 10,000 cells), many seeds (``none``, ``full`` and ``random`` at 0.5 on
+  the ``smoke`` sweep's backend, 3,334 seeds) and many budgets (``random`` and ``fisher`` at 834
+  budgets, 6 seeds). Goal: at most 2x for each.
 - **load_runs**: ``ablate.analysis.load_runs(sweep)``, against a plain read of the same files
   (every file ``load_runs`` reads, parsed once with the same parsers: ``json``, libyaml, the
   Parquet reader over the file's bytes, and kept in memory, nothing built from them). Goal: at
@@ -58,6 +61,7 @@ from make_store import Shape, make_store  # noqa: E402
 
 STEPS = ("plan", "load", "analysis", "overhead", "help")
 PLAN_BASELINE_CELLS = 100
+BUDGETS = (0.05, 0.1, 0.25, 0.5, 0.75)
 GIB = 1024.0
 
 #: The baseline of load_runs: the files it reads, each parsed once with the parsers load_runs uses
@@ -170,9 +174,56 @@ def print_row(row: Row) -> None:
           flush=True)
 
 
-def plan_command(shape: Shape, store: Path) -> list[str]:
-    return [sys.executable, "-m", "ablate", "-m", *shape.grid_overrides(), "hydra.sweeper.dry_run=true",
-            f"store_dir={store}", f"sweep=plan-{shape.cells}", "tracking.mode=disabled"]
+@dataclass(frozen=True)
+class PlanGrid:
+    """A shape of grid whose plan is measured: ``of(cells)`` is the grid's overrides at about
+    ``cells`` cells, and its exact count of cells."""
+
+    name: str
+    of: Callable[[int], tuple[list[str], int]]
+
+
+def settings_grid(cells: int) -> tuple[list[str], int]:
+    """The store's grid: the ``budget_selection`` grid over values of ``backend.router_noise``."""
+    shape = Shape.for_cells(cells, 12, BUDGETS)
+    return shape.grid_overrides(), shape.cells
+
+
+def seeds_grid(cells: int) -> tuple[list[str], int]:
+    """``none``, ``full`` and ``random`` at 0.5 on the ``smoke`` sweep's backend, over as many seeds as it takes."""
+    seeds = math.ceil(cells / 3)
+    return ["sweeps=smoke", "policy=none,full,random", "budget=0.5", f"seed=range({seeds})"], 3 * seeds
+
+
+def budgets_grid(cells: int) -> tuple[list[str], int]:
+    """``random`` and ``fisher`` at as many budgets as it takes (spread over (0, 1)), 6 seeds."""
+    budgets = math.ceil(cells / 12)
+    values = ",".join(f"{round((k + 1) / (budgets + 1), 6):g}" for k in range(budgets))
+    return ["policy=random,fisher", f"budget={values}", "seed=range(6)"], 12 * budgets
+
+
+PLAN_GRIDS = (PlanGrid("many settings", settings_grid), PlanGrid("many seeds", seeds_grid),
+              PlanGrid("many budgets", budgets_grid))
+
+
+def plan_command(overrides: list[str], cells: int, store: Path) -> list[str]:
+    return [sys.executable, "-m", "ablate", "-m", *overrides, "hydra.sweeper.dry_run=true", f"store_dir={store}",
+            f"sweep=plan-{cells}", "tracking.mode=disabled"]
+
+
+def plan_rows(sizes: list[int], store: Path, repeats: int) -> list[Row]:
+    """Per shape of grid, its plan at each size against its plan at about 100 cells."""
+    rows = []
+    for grid in PLAN_GRIDS:
+        overrides, base_cells = grid.of(PLAN_BASELINE_CELLS)
+        base = cheapest(plan_command(overrides, base_cells, store), repeats)
+        for size in sizes:
+            overrides, cells = grid.of(size)
+            cost = cheapest(plan_command(overrides, cells, store), repeats)
+            rows.append(Row(f"plan (dry run), {grid.name}", cells, cost, f"plan of {base_cells} cells", base,
+                            cost.cpu / base.cpu, 2.0))
+            print_row(rows[-1])
+    return rows
 
 
 def profile(out: Path, command: list[str]) -> None:
@@ -243,18 +294,10 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     rows: list[Row] = []
     try:
-        plan_base = None
         if "plan" in steps:
-            base_shape = Shape.for_cells(PLAN_BASELINE_CELLS, 12, (0.05, 0.1, 0.25, 0.5, 0.75))
-            plan_base = cheapest(plan_command(base_shape, work / "plan"), args.repeats)
-            base_label = f"plan of {base_shape.cells} cells"
+            rows += plan_rows(sizes, work / "plan", args.repeats)
         for size in sizes:
-            shape = Shape.for_cells(size, 12, (0.05, 0.1, 0.25, 0.5, 0.75))
-            if "plan" in steps:
-                cost = cheapest(plan_command(shape, work / "plan"), args.repeats)
-                rows.append(Row("plan (dry run of the grid)", shape.cells, cost, base_label, plan_base,
-                                cost.cpu / plan_base.cpu, 2.0))
-                print_row(rows[-1])
+            shape = Shape.for_cells(size, 12, BUDGETS)
             if not {"load", "analysis"} & set(steps):
                 continue
             sweep = root / f"scale-{shape.cells}"

@@ -7,11 +7,13 @@ than in the middle of a sweep: the private functions the grid sweeper composes j
 """
 
 import hydra
+import pytest
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra._internal.utils import create_config_search_path
 from hydra.core.object_type import ObjectType
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.plugins.config_source import ConfigSource
+from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from hydra_plugins.ablate_grid_sweeper.grid_sweeper import grid_jobs
@@ -20,7 +22,9 @@ from hydra_plugins.ablate_grid_sweeper.hydra_private import (
     ConfigLoaderImpl,
     apply_overrides,
     config_repository,
+    hydra_load_sweep_config,
     share_config_store,
+    value_node_kind,
 )
 from hydra_plugins.ablate_sweeps.sweeps_source import AblateSweepsConfigSource
 
@@ -77,3 +81,87 @@ def test_the_grid_is_expanded_as_hydras_basic_sweeper_expands_it():
                  "tag='a, b'", "backend=noop"]
     overrides = OverridesParser.create().parse_overrides(arguments)
     assert grid_jobs(overrides) == BasicSweeper.split_arguments(overrides, None)[0]
+
+
+def test_the_grids_values_are_the_overrides_hydra_parses_from_their_text():
+    """The grid's value overrides are built from the sweep already parsed (a seed a millisecond otherwise):
+    each must be what parsing its text gives, and one that may not be (quoted, escaped, a list) is parsed."""
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path("pkg://ablate.conf"))
+    parser = OverridesParser.create(config_loader=loader)
+    arguments = ["seed=range(-2,3)", "budget=0.05,1e-3,0.3,inf", "policy.per_layer=true,False", "backend=noop,synthetic",
+                 "tracking.project=a-b.c,x_1,+y", "objective=null", "+tag=1", "++other=2.5", "tracking.tags='a, b'",
+                 "policy.tau=2", "extra=[1,2],{a: 1}", "label=a\\\\ b,'007'"]
+    parsed = {}
+    jobs = grid_jobs(parser.parse_overrides(arguments), parsed)
+    assert len(jobs) == 5 * 4 * 2 * 2 * 3 * 2 * 2
+    assert {"seed=-2", "budget=0.001", "budget=inf", "policy.per_layer=True", "tracking.project=+y", "objective=null",
+            "+tag=1", "++other=2.5"} <= set(parsed)
+    # Quoted, escaped, a list or a mapping: these are parsed from their text.
+    assert {text for job in jobs for text in job} - set(parsed) == {
+        "tracking.tags='a, b'", "extra=[1,2]", "extra={a:1}", "label='007'", "label=a\\\\\\ b"}
+    for text, built in parsed.items():
+        assert built == parser.parse_override(text), text
+
+
+def test_the_kind_of_a_value_node_is_what_types_a_value_set_there():
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path("pkg://ablate.conf"))
+    cfg = loader.load_configuration("config", overrides=["policy=fisher"], run_mode=RunMode.RUN)
+    seed, budget = value_node_kind(cfg, "seed"), value_node_kind(cfg, "budget")
+    assert seed is not None and budget is not None and seed != budget  # an int, and a float that takes None
+    assert value_node_kind(cfg.policy, "tau") == value_node_kind(cfg.policy, "tau")
+    assert value_node_kind(cfg, "backend") is None and value_node_kind(cfg, "nothing") is None
+
+
+def test_the_apps_config_texts_and_overrides_are_parsed_once_and_handed_out_as_copies(tmp_path):
+    import ablate.conf  # noqa: F401  (its import turns both on)
+    from hydra._internal.core_plugins.importlib_resources_config_source import ImportlibResourcesConfigSource
+
+    source = ImportlibResourcesConfigSource(provider="ablate", path="pkg://ablate.conf")
+    first, second = source.load_config("config.yaml"), source.load_config("config.yaml")
+    assert first.config is not second.config and first.header == second.header
+    # Compared unresolved: the run directory's ${now:...} resolves to the time of each comparison.
+    assert OmegaConf.to_container(first.config) == OmegaConf.to_container(second.config)
+    first.config.store_dir = "elsewhere"  # a composition that changes what it loaded ...
+    first.config.hydra.callbacks.writable_store._target_ = "elsewhere"
+    first.config.defaults.append("more")
+    third = source.load_config("config.yaml").config  # ... changes no later load
+    assert third.store_dir == "runs" and third.hydra.callbacks.writable_store._target_ != "elsewhere"
+    assert "more" not in third.defaults
+    edited = tmp_path / "edited.yaml"
+    edited.write_text("a: 1\n")
+    assert OmegaConf.load(edited).a == 1 and OmegaConf.load(str(edited)).a == 1
+    edited.write_text("a: 2\n")
+    assert OmegaConf.load(edited).a == 2  # the text is read each time: an edited file is parsed again
+
+    parser = OverridesParser.create()
+    once, again = parser.parse_override("tracking.tags=[a,b]"), parser.parse_override("tracking.tags=[a,b]")
+    assert once == again and once is not again
+    assert OverridesParser.create(config_loader=object()).parse_overrides(["x=1"])[0].config_loader is not None
+    assert parser.parse_override("x=1").config_loader is None  # the loader set on a copy stays on that copy
+
+
+@pytest.mark.parametrize("master", [[], ["sweeps=smoke", "hydra.sweeper.progress_interval=0.5", "hydra/launcher=joblib"]])
+def test_a_job_composed_from_its_group_choice_is_the_job_hydra_composes(master, monkeypatch):
+    """Every field of a job's config, Hydra's own records included, as Hydra's own load_sweep_config gives it."""
+    import ablate.conf  # noqa: F401  (turns it on)
+
+    monkeypatch.setenv("ABLATE_COPIED", "v")
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path("pkg://ablate.conf"))
+    top = loader.load_configuration("config", overrides=[*master, "hydra.job.env_copy=[ABLATE_COPIED]"],
+                                    run_mode=RunMode.MULTIRUN)
+    jobs = [["policy=random", "budget=0.1", "seed=3", "store_dir='/s (é,)'", "tracking.mode=disabled"],
+            ["policy=random", "budget=0.5", "seed=4", "store_dir='/s (é,)'", "tracking.mode=disabled"],
+            ["seed=5", "policy=fisher", "policy.tau=1.5", "backend=noop", "+extra=1", "~objective"],
+            ["policy=fisher", "tracking.tags=[a,b]", "++analysis.margins={kl_k3_mean: 0.1}", "hydra.job.chdir=true"],
+            ["backend=synthetic", "backend.steps=7", "tracking.label='backend.router_noise=0.2'", "seed=6"],
+            ["policy=none", "budget=null", "seed=1", "hydra.verbose=true"],
+            ["policy=none", "budget=null", "seed=2", "hydra.verbose=true"]]
+    for job in jobs:
+        fast = loader.load_sweep_config(top, job)
+        hydra = hydra_load_sweep_config(loader, top, job)
+        assert OmegaConf.to_container(fast) == OmegaConf.to_container(hydra), job
+        assert OmegaConf.is_struct(fast) and not OmegaConf.is_readonly(fast.hydra)
+        assert fast.hydra.job.env_set.ABLATE_COPIED == "v" and fast.hydra.overrides.task == [
+            o for o in job if not o.startswith("hydra.")]
+    with pytest.raises(Exception, match="budget"):  # a value Hydra refuses, refused alike
+        loader.load_sweep_config(top, ["policy=random", "budget=abc"])

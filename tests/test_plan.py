@@ -20,6 +20,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 
+from ablate.compose import cell_from_config
 from ablate.config import ConfigError
 from ablate.runner import run_cell
 from ablate.store import CellState, read_json
@@ -65,6 +66,14 @@ def test_none_and_full_collapse_to_one_cell_per_seed_and_every_cell_is_new(tmp_p
     assert describe_plan("g", planned) == (
         "sweep g: 8 cells: 0 complete (skipped), 0 failed (rerun), 0 unfinished (rerun), 8 new")
     assert not tmp_path.exists() or not any(tmp_path.iterdir())  # planning writes nothing
+
+
+def test_the_plan_is_seed_major_every_arm_of_a_seed_before_the_next_seed(tmp_path):
+    """Hydra's grid runs one policy after another; the plan runs seed by seed, the seeds in the order the grid
+    names them and each seed's arms in grid order, so every prefix of a sweep holds whole seeds of every arm."""
+    planned = plan_grid(grid(policy=["none", "random", "fisher"], budget=[0.1, 0.5], seed=[2, 0]), composer(tmp_path))
+    arms = ["none", "random-b0.1", "random-b0.5", "fisher-b0.1", "fisher-b0.5"]
+    assert [p.cell.name for p in planned] == [f"{arm}-s{seed}" for seed in (2, 0) for arm in arms]
 
 
 def test_a_bad_value_in_one_job_fails_the_plan_and_names_the_job(tmp_path):
@@ -233,6 +242,24 @@ def test_a_cell_planned_from_its_template_is_the_cell_of_its_composed_config(swe
             values = {**values, "budget": None}
         fast, slow = template.cell(values), cell_from_config(composer(job))
         assert fast == slow and fast.resolved == slow.resolved, job
+
+
+def test_a_template_checks_each_new_value_of_a_section_and_reuses_a_cell_for_the_same_values(tmp_path):
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path("pkg://ablate.conf"))
+    master = loader.load_configuration("config", overrides=[], run_mode=RunMode.MULTIRUN)
+    composer = JobComposer(master, loader)
+    job = ["backend=noop", "policy=none", "tracking.mode=disabled", f"store_dir={tmp_path}"]
+    template, values = composer.template([*job, "seed=1", "backend.steps=3"])
+    first = template.cell(values)
+    assert template.cell(dict(values)) is first  # the same job again (none at another budget, collapsed)
+    assert template.cell({**values, "backend.steps": 4}).backend.steps == 4
+    with pytest.raises(ConfigError, match=r"backend.steps=0"):
+        template.cell({**values, "backend.steps": 0})
+    with pytest.raises(ConfigError, match=r"backend.steps=0"):  # a failed check is not remembered as passed
+        template.cell({**values, "backend.steps": 0, "seed": 2})
+    with pytest.raises(ConfigError, match=r"seed=-1"):  # top-level values are checked in every job
+        template.cell({**values, "seed": -1})
+    assert template.cell({**values, "seed": 2}) == cell_from_config(composer([*job, "seed=2", "backend.steps=3"]))
 
 
 def test_a_job_a_template_cannot_describe_is_composed_whole(tmp_path):

@@ -179,6 +179,31 @@ def test_truncated_log_gives_the_whole_records_and_is_incomplete(tmp_path: Path)
     assert not run.complete and run.exit_code is None and 0 < len(run.history) < 40
 
 
+def test_the_exit_record_is_found_in_process_where_wandbs_reader_finds_it(tmp_path: Path) -> None:
+    """The tracker's wait after finish reads the log's framing itself (a process per cell cost more than the
+    run): at every length a log passes through as it is written, it must agree with wandb's own reader."""
+    from ablate.tracking.transaction_log import exit_record_found
+
+    short = run_cell(tmp_path / "short", "fisher-b0.25-s3", steps=3)
+    long = start(tmp_path / "long", config={"note": "x" * 100_000})  # one record over four 32 KiB blocks
+    long.log({"train/reward": 1.0}, step=0)
+    long.finish()
+    cut = tmp_path / "cut.wandb"
+    for tracker in (short, long):
+        data = read_offline_run(tracker.run_path).path.read_bytes()
+        assert exit_record_found(read_offline_run(tracker.run_path).path) is True
+        answers = []
+        for size in sorted({0, 3, 7, *range(7, len(data), max(1, len(data) // 40)), len(data) - 1}):
+            cut.write_bytes(data[:size])
+            found = exit_record_found(cut)
+            assert found == (read_offline_run(cut).complete if size >= 7 else False), size
+            answers.append(found)
+        assert answers[0] is False and answers == sorted(answers)  # once there, it stays in every longer prefix
+    other = tmp_path / "other.wandb"
+    other.write_bytes(b":W&B\xe1\xbe\x01" + data[7:])  # a format version this reader does not know
+    assert exit_record_found(other) is None
+
+
 def test_a_corrupt_chunk_is_skipped_and_named(tmp_path: Path) -> None:
     tracker = run_cell(tmp_path / "cell", "fisher-b0.25-s3", steps=10)
     data = bytearray(read_offline_run(tracker.run_path).path.read_bytes())

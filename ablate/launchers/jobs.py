@@ -14,7 +14,7 @@ Ray task or a submitit job. It adds what a sweep's promises need (``docs/launche
 A job that ended without returning (its worker died) is reported as :func:`lost`.
 
 This module is imported when Hydra scans its plugins (``hydra_plugins/ablate_launchers``): it
-imports nothing beyond Hydra.
+imports nothing beyond Hydra at import time.
 """
 
 from __future__ import annotations
@@ -70,6 +70,11 @@ class HydraJob:
                 check_not_stopping()  # a queued job of a stopping sweep ends at once
                 setup_globals()
                 Singleton.set_state(self.singleton_state)
+                # set_state scans Hydra's plugins again, and Hydra's launcher plugins store their configs
+                # under the names ablate's launchers took (submitit_local's has no n_jobs): take them back.
+                from hydra_plugins.ablate_launchers.launchers import register_configs
+
+                register_configs()
                 sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(self.overrides))
                 with open_dict(sweep_config):
                     sweep_config.hydra.job.id = self.job_id

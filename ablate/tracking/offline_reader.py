@@ -7,11 +7,13 @@ background, see ``wandb_run``), and the tests and ``load_runs(source="wandb-offl
 a dashboard will show against the run store. Nothing else answers either question: W&B's public
 API reads runs from a server, not from disk.
 
-The file is decoded by wandb's own reader, never by hand: the ``wandb leet inspect --json``
-command that wandb 0.31 ships prints every record of a transaction log as one JSON object per
-line (protobuf's JSON form of ``wandb_internal_pb2.Record``), tolerating a truncated or damaged
-tail. We run the ``wandb-core`` binary that the command launches, with the same arguments, so a
-read costs milliseconds instead of a Python start-up; the file format stays wandb's business.
+The file is decoded by wandb's own reader: the ``wandb leet inspect --json`` command that wandb
+0.31 ships prints every record of a transaction log as one JSON object per line (protobuf's JSON
+form of ``wandb_internal_pb2.Record``), tolerating a truncated or damaged tail. We run the
+``wandb-core`` binary that the command launches, with the same arguments, so a read costs
+milliseconds instead of a Python start-up. Only the question the tracker asks after every cell,
+whether the exit record is there yet, is answered in process from the log's framing
+(:mod:`ablate.tracking.transaction_log`): a process per cell cost more than the run itself.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+
+from ablate.tracking.transaction_log import exit_record_found
 
 #: History column holding each row's x-axis value (the tracker logs it under this name).
 STEP_KEY = "step"
@@ -112,8 +116,14 @@ def read_offline_run(path: Path | str) -> OfflineRun:
 
 
 def is_complete(path: Path | str) -> bool:
-    """Whether the run's log already holds its exit record (records after it are allowed)."""
-    return any(record.get("type") == "exit" for record in read_records(path)[1])
+    """Whether the run's log already holds its exit record (records after it are allowed).
+
+    Read in this process (:mod:`ablate.tracking.transaction_log`); a log whose header that reader
+    does not know is read by wandb's reader."""
+    found = exit_record_found(resolve_log_file(path))
+    if found is None:
+        return any(record.get("type") == "exit" for record in read_records(path)[1])
+    return found
 
 
 def history_frame(run: OfflineRun) -> pd.DataFrame:
