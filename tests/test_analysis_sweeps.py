@@ -21,7 +21,9 @@ def run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
 
 def test_a_sweep_over_router_noise_and_its_rerun_with_other_steps_are_analysable(tmp_path):
     shrink = [o for o in TINY if not o.startswith(("backend.steps", "backend.router_noise"))]
-    grid = ["-m", "policy=none,random", "budget=0.25", "seed=0,1", "backend.router_noise=0,0.07", "sweep=noise_test",
+    # Seeds whose rollouts hold a route the trainer's float32 numerics flip even without router noise
+    # (rare in a model this small): with none, replay at noise 0 would change nothing to compare.
+    grid = ["-m", "policy=none,random", "budget=0.25", "seed=4,5", "backend.router_noise=0,0.07", "sweep=noise_test",
             "tracking.mode=disabled", *shrink]
     run(tmp_path, "-m", "ablate", *grid, "backend.steps=5")
     first = run(tmp_path, "-m", "ablate.analysis", "runs/noise_test", "--no-plots")
