@@ -34,7 +34,13 @@ from torch import Tensor
 
 from ablate.probes import is_probed
 from ablate.replay import ranks
-from ablate.replay.batch import MicroBatchSelection, counted_routes, plan_micro_batch, select_micro_batch
+from ablate.replay.batch import (
+    MicroBatchPlan,
+    MicroBatchSelection,
+    counted_routes,
+    plan_micro_batch,
+    select_micro_batch,
+)
 from ablate.replay.seams import MICRO_BATCHES_KEY, CallInfo, EngineSeam, augment_routes
 from ablate.replay.session import ProbeRun, ReplaySession
 from ablate.replay.spec import ReplaySpec
@@ -144,6 +150,10 @@ class ReplayMaskHook:
         self._call: _Call | None = None
         #: each sequence's native routes of the step's native pass: its micro-batch's, and its rows there.
         self._native_routes: dict[bytes, tuple[_KeptNative, int, int]] = {}
+        #: each sequence's selection of the step: its micro-batch's, and its rows there. A sequence's
+        #: mask is the same in every pass of a step (its own stream, the step's estimate): the first
+        #: pass that meets it selects it, the others take it.
+        self._chosen: dict[bytes, tuple[MicroBatchSelection, int, int]] = {}
         self._reset_step()
 
     @property
@@ -159,6 +169,7 @@ class ReplayMaskHook:
     def _reset_step(self) -> None:
         self.step_micro_batches = 0
         self._native_routes.clear()
+        self._chosen.clear()
         self._native_pass_done = False
         self._old_log_prob_seen = False
 
@@ -304,11 +315,33 @@ class ReplayMaskHook:
         policy = self.session.policy if call.probe is None else call.probe.policy
         if call.probe is None:
             self.step_micro_batches += 1
+            kept = self._kept_selection(routes, plan)
+            if kept is not None:
+                return kept
         native = has_native = margin = None
         if policy.needs_native_routes:
             native, has_native, margin = self._stitch_native_routes(routes, list(plan.host.offsets), plan.keys)
-        return select_micro_batch(self.session, routes, r3_mask, offsets, info.num_experts, plan=plan, native=native,
-                                  has_native=has_native, native_margin=margin, probe=call.probe)
+        selection = select_micro_batch(self.session, routes, r3_mask, offsets, info.num_experts, plan=plan,
+                                       native=native, has_native=has_native, native_margin=margin, probe=call.probe)
+        if call.probe is None:
+            bounds = plan.host.offsets
+            for key, start, end in zip(plan.keys, bounds[:-1], bounds[1:]):
+                self._chosen[key] = (selection, start, end)
+        return selection
+
+    def _kept_selection(self, routes: Tensor, plan: MicroBatchPlan) -> MicroBatchSelection | None:
+        """The step's selection of these sequences, where an earlier pass made it for every one of them:
+        taken whole for the same micro-batch, stitched sequence by sequence for another grouping."""
+        found = [self._chosen.get(key) for key in plan.keys]
+        if not found or any(entry is None for entry in found):
+            return None
+        bounds = plan.host.offsets
+        first = found[0][0]
+        if all(entry[0] is first and entry[1] == start and entry[2] == end
+               for entry, start, end in zip(found, bounds[:-1], bounds[1:])) and first.mask.shape[0] == routes.shape[0]:
+            return first  # the same sequences at the same rows: the same routes, valid tokens and mask
+        mask = torch.cat([entry[0].mask[entry[1]:entry[2]] for entry in found])
+        return MicroBatchSelection(routes, plan, mask)
 
     def _keep_native_routes(self, call: _Call, native: Tensor, margin: Tensor) -> None:
         """Keep each sequence's native routes (and margins) of the native pass for the step's replayed passes."""
