@@ -52,13 +52,13 @@ class _Call:
     """One ``forward_backward_batch`` call: its micro-batches in the call's token order."""
 
     info: CallInfo
-    #: ``[1 + tokens, route layers, topk]`` native expert ids written by this rank's routers (-1: not
-    #: here), token-major as the rollout's routes, so that counting compares the two as they are. Row
-    #: ``1 + t`` is token ``t`` of the call; row 0 takes what routers write for rows the engine padded.
+    #: ``[route layers, 1 + tokens, topk]`` native expert ids written by this rank's routers (-1: not
+    #: here), layer-major: each router writes one contiguous block. Row ``1 + t`` is token ``t`` of the
+    #: call; row 0 takes what routers write for rows the engine padded.
     native: Tensor
     #: a forward that replays nothing, run only to record native routes (``needs_native_routes``).
     native_pass: bool = False
-    #: ``[1 + tokens, route layers]`` native margins (``ablate.routes.native_margin``) written with ``native``.
+    #: ``[route layers, 1 + tokens]`` native margins (``ablate.routes.native_margin``) written with ``native``.
     native_margin: Tensor | None = None
     starts: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
@@ -91,13 +91,17 @@ class _Call:
         return slice(self.starts[index], self.starts[index] + self.rows[index])
 
     def part(self, buffer: Tensor, index: int) -> Tensor:
-        """Micro-batch ``index``'s MoE columns of a buffer, ``[rows, MoE layers, ...]`` (a view where every column is one)."""
+        """Micro-batch ``index``'s MoE columns of a layer-major buffer, copied token-major, ``[rows, MoE layers, ...]``.
+
+        One copy: counting compares it with the rollout's routes slot by slot, which costs more on a
+        transposed view than the copy, and the routers' writes stay contiguous.
+        """
         rows = self.rows_of(index)
-        part = buffer[rows.start + 1:rows.stop + 1]
+        part = buffer[:, rows.start + 1:rows.stop + 1]
         columns = self.info.moe_columns
-        if len(columns) != buffer.shape[1]:
-            part = part.index_select(1, torch.tensor(columns, device=part.device))
-        return part
+        if len(columns) != buffer.shape[0]:
+            part = part.index_select(0, torch.tensor(columns, device=part.device))
+        return part.transpose(0, 1).clone(memory_format=torch.contiguous_format)
 
 
 @dataclass(frozen=True)
@@ -210,9 +214,9 @@ class ReplayMaskHook:
     def begin_call(self, info: CallInfo, *, native_pass: bool = False, probe: ProbeRun | None = None) -> None:
         if self.session is None:
             self.session = ReplaySession(self.spec, len(info.moe_columns), info.num_experts, info.topk)
-        native = torch.full((1 + info.num_tokens, info.route_layers, info.topk), -1, dtype=torch.int16,
+        native = torch.full((info.route_layers, 1 + info.num_tokens, info.topk), -1, dtype=torch.int16,
                             device=ranks.collective_device())
-        margin = (torch.zeros(1 + info.num_tokens, info.route_layers, device=ranks.collective_device())
+        margin = (torch.zeros(info.route_layers, 1 + info.num_tokens, device=ranks.collective_device())
                   if native_pass else None)
         self._call = _Call(info=info, native=native, native_pass=native_pass, native_margin=margin, probe=probe)
 
@@ -255,14 +259,15 @@ class ReplayMaskHook:
         return self._call.info if self._call is not None else None
 
     def augmented_routes(self, chunk: int, rollout: Tensor, r3_mask: Tensor, offsets: Tensor, *,
-                         counted: bool) -> Tensor:
+                         counted: bool, zero_native: bool = False) -> Tensor:
         """One micro-batch's rollout routes with its replay mask, validity and row ids as extra columns.
 
         ``rollout`` is ``[tokens, route layers, topk]`` in the engine's packed order, ``offsets``
         its sequence boundaries, ``r3_mask`` the tokens the engine's own R3 replays. ``chunk``
         tells apart the model chunks of a rank (Megatron's virtual pipeline stages), which all see
         the micro-batch; ``counted``: this rank and chunk counts it for its model-parallel group.
-        The seam sends the result through the engine's own packing (:func:`.engines.base.augment_routes`).
+        The seam sends the result through the engine's own packing (:func:`ablate.replay.seams.augment_routes`;
+        ``zero_native``: the routes the mask leaves native are all zeros, for an engine that routes those natively).
         """
         call = self._call
         index = call.micro_batch(chunk, rollout.shape[0])
@@ -276,7 +281,7 @@ class ReplayMaskHook:
         if mask.shape[1] != rollout.shape[1]:  # dense layers' columns replay nothing
             mask = torch.zeros(rollout.shape[:2], dtype=torch.bool, device=rollout.device)
             mask[:, call.info.moe_columns] = selection.mask
-        return augment_routes(rollout, mask, selection.valid, call.starts[index])
+        return augment_routes(rollout, mask, selection.valid, call.starts[index], zero_native=zero_native)
 
     def observe(self, column: int, rows: Tensor | slice, native: Tensor, scores: Tensor | None = None) -> None:
         """A router's native top-k of its rows (``[rows, topk]``, on its device), and its scores.
@@ -295,9 +300,9 @@ class ReplayMaskHook:
     @staticmethod
     def _write(buffer: Tensor, column: int, rows: Tensor | slice, values: Tensor) -> None:
         if isinstance(rows, slice):  # converted while copied
-            buffer[rows.start + 1:rows.stop + 1, column].copy_(values)
+            buffer[column, rows.start + 1:rows.stop + 1].copy_(values)
         else:
-            buffer[:, column].index_copy_(0, rows.to(buffer.device), values.to(buffer.device, buffer.dtype))
+            buffer[column].index_copy_(0, rows.to(buffer.device), values.to(buffer.device, buffer.dtype))
 
     def add_fisher(self, layer: int, logit_grads: Tensor, valid: Tensor) -> None:
         """Per-token squared router-logit gradients of one MoE layer's valid rows (:meth:`ReplaySession.add_fisher`)."""

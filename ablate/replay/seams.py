@@ -77,8 +77,9 @@ class HookSide(Protocol):
         """The call the hook is framing (None outside one): a seam replays only inside it."""
 
     def augmented_routes(self, chunk: int, rollout: Tensor, r3_mask: Tensor, offsets: Tensor, *,
-                         counted: bool) -> Tensor:
-        """One micro-batch's rollout routes with its replay mask, validity and row ids as an extra column."""
+                         counted: bool, zero_native: bool = False) -> Tensor:
+        """One micro-batch's rollout routes with its replay mask, validity and row ids as an extra column
+        (:func:`augment_routes`; ``zero_native``: the routes the mask leaves native all zeros)."""
 
     #: The call's rows of the micro-batch :meth:`augmented_routes` handled last: a seam whose router gets
     #: exactly that many rows (the engine neither padded nor split them) knows they are these.
@@ -152,7 +153,7 @@ def uninstall() -> None:
 
 
 # -------------------------------------------------------------------- routes with the mask
-def augment_routes(rollout: Tensor, mask: Tensor, valid: Tensor, first_row: int) -> Tensor:
+def augment_routes(rollout: Tensor, mask: Tensor, valid: Tensor, first_row: int, *, zero_native: bool = False) -> Tensor:
     """``[rows, layers, topk + 1]`` int32: routes, then one column packing the replay mask, the valid
     flag and the row id: ``4 * (row id + 1) + 2 * mask + valid``.
 
@@ -160,11 +161,17 @@ def augment_routes(rollout: Tensor, mask: Tensor, valid: Tensor, first_row: int)
     An engine pads and splits this tensor exactly as it does the routes, so every router gets
     its own rows' mask, validity and ids; padding the engine adds is zeros (row id -1). One
     column, not three: the engine packs and copies the routes once per router, and so the column.
+    ``zero_native``: a route the mask leaves native is all zeros, which an engine that replays no
+    route with a repeated expert (VeOmni's R3) routes natively itself: the mask is applied here,
+    once for the micro-batch, rather than at each router.
     """
     rows, layers, topk = rollout.shape
     row_ids = torch.arange(4 * (first_row + 1), 4 * (first_row + rows + 1), 4, dtype=torch.int32, device=rollout.device)
     augmented = torch.empty(rows, layers, topk + 1, dtype=torch.int32, device=rollout.device)
-    augmented[..., :topk] = rollout  # converted while copied: no int32 copy of the routes in between
+    if zero_native:  # converted while multiplied
+        torch.mul(rollout, mask[..., None], out=augmented[..., :topk])
+    else:  # converted while copied: no int32 copy of the routes in between
+        augmented[..., :topk] = rollout
     torch.add((row_ids + valid.to(torch.int32))[:, None], mask, alpha=2, out=augmented[..., topk])
     return augmented
 
@@ -186,7 +193,7 @@ class LayerTargets:
 
     @property
     def mask(self) -> Tensor:
-        """True where ablate replays the rollout's route, shaped as the packed column (``[rows]`` or ``[rows, 1]``)."""
+        """``[rows]`` True where ablate replays the rollout's route."""
         if self._mask is None:
             self._mask = (self._packed & 2) != 0
         return self._mask
@@ -195,14 +202,14 @@ class LayerTargets:
     def valid(self) -> Tensor:
         """``[rows]`` True on the valid tokens (their router-logit gradients feed the Fisher estimate)."""
         if self._valid is None:
-            self._valid = ((self._packed & 1) != 0).reshape(-1)
+            self._valid = (self._packed & 1) != 0
         return self._valid
 
     @property
     def rows(self) -> Tensor | slice:
         """The call's rows these are: one slice of them, or ``[rows]`` int64 ids + 1 (0: padding the engine added)."""
         if self._rows is None:
-            self._rows = (self._packed >> 2).reshape(-1)
+            self._rows = self._packed >> 2
         return self._rows
 
 
@@ -216,15 +223,14 @@ def split_augmented(targets: Tensor, topk: int, rows: slice | None = None) -> La
 def split_layers(targets: list[Tensor], topk: int, rows: slice | None = None) -> list[LayerTargets]:
     """Every router's ``[rows, topk + 1]`` augmented targets of one micro-batch (VeOmni hands them at once).
 
-    The routes stay views of the engine's own tensor. Each layer's packed column is kept as a
-    ``[rows, 1]`` view, so that its mask applies to the router's ``[rows, topk]`` choice as it is;
-    the layers share their rows, decoded once.
+    The routes stay views of the engine's own tensor; the layers share their rows, decoded once.
+    Each layer's packed column is decoded only if read (the validity, in the router's backward).
     """
     for target in targets[:1]:
         _check_columns(target, topk)
     if rows is None and targets:
         rows = (targets[0][:, topk] >> 2)
-    return [LayerTargets(target[:, :topk], target[:, topk:], rows=rows) for target in targets]
+    return [LayerTargets(target[:, :topk], target[:, topk], rows=rows) for target in targets]
 
 
 def _check_columns(targets: Tensor, topk: int) -> None:

@@ -152,7 +152,10 @@ class VeOmniSeam(EngineSeam):
         rollout, offsets = routes.values(), routes.offsets()
         every_token = torch.ones(rollout.shape[0], dtype=torch.bool, device=rollout.device)
         layers = range(1, len(info.layer_columns) + 1)
-        augmented = hook.augmented_routes(0, rollout, every_token, offsets, counted=self.counting_rank(info, layers))
+        # Routes the mask leaves native travel as zeros: verl's replay routes every row with a repeated
+        # expert natively, so the mask is applied here, once, not at each router.
+        augmented = hook.augmented_routes(0, rollout, every_token, offsets, counted=self.counting_rank(info, layers),
+                                          zero_native=True)
         batch = micro_batch.copy()
         batch["routed_experts"] = torch.nested.nested_tensor_from_jagged(augmented, offsets=offsets)
         with self._splitting_targets(info.topk):
@@ -196,7 +199,6 @@ class VeOmniSeam(EngineSeam):
         if position >= len(self._layers):
             return chosen  # verl raises for a router without a target; this micro-batch is not ablate's
         layer, hook = self._layers[position], self.hook
-        chosen = torch.where(layer.mask, chosen, top_indices)  # the packed column's [rows, 1] view: one op
         if first_fire:  # a recompute under activation checkpointing routes the same rows again
             with torch.no_grad():
                 hook.observe(position, layer.rows, top_indices, routing_scores)
