@@ -294,15 +294,20 @@ def route_scores(estimate: Tensor, routes: Routes) -> Tensor:
     expected = (routes.num_layers, routes.num_experts)
     if tuple(estimate.shape) != expected:
         raise FisherError(f"Fisher estimate has shape {tuple(estimate.shape)}: expected [layers, experts]={expected}")
-    kept = routes.__dict__.get(_SCORES_KEY)
-    if kept is not None:
-        tensor, version, values, score = kept
+    # One holder per batch of rollout routes, shared with the routes :meth:`Routes.with_native` makes of
+    # them (a cached_property's way onto a frozen dataclass): what one of them scores, all of them keep.
+    kept = routes.__dict__.setdefault(_SCORES_KEY, {})
+    if kept:
+        tensor, version, values, score = kept["scores"]
         # The same tensor, unchanged (every in-place change bumps its version): known without reading
         # the device. Another tensor: compared by value (a tracker hands out one tensor per step).
         if (tensor is estimate and version == estimate._version) or (
                 values.device == estimate.device and torch.equal(values, estimate)):
-            routes.__dict__[_SCORES_KEY] = (estimate, estimate._version, values, score)
+            kept["scores"] = (estimate, estimate._version, values, score)
             return score
+    score = _route_scores(estimate, routes)
+    kept["scores"] = (estimate, estimate._version, estimate.clone(), score)
+    return score
     score = _route_scores(estimate, routes)
     routes.__dict__[_SCORES_KEY] = (estimate, estimate._version, estimate.clone(), score)  # a cached_property's way
     return score

@@ -216,6 +216,7 @@ class Routes:
         None: none), keeping what was computed of the rollout alone (the valid offsets, the Fisher
         route scores)."""
         routes = dataclasses.replace(self, native=native, native_margin=None, ids_checked=True)
+        self.__dict__.setdefault("_route_scores", {})  # one holder: what the new routes score, these keep
         kept = {key: value for key, value in self.__dict__.items() if key in _NATIVE_FREE_CACHES}
         routes.__dict__.update(kept)
         return routes
