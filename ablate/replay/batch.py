@@ -124,6 +124,7 @@ def select_micro_batch(
     has_native: Tensor | None = None,
     native_margin: Tensor | None = None,
     probe: ProbeRun | None = None,
+    layer: int | None = None,
 ) -> MicroBatchSelection:
     """Select the replayed routes of one micro-batch of MoE routes ``[tokens, layers, topk]``.
 
@@ -132,7 +133,8 @@ def select_micro_batch(
     mask, or ``probe``'s; without a session (a pass that replays nothing) the mask is empty.
     ``native`` (``[tokens, layers, topk]``) and ``native_margin`` (``[tokens, layers]``) are
     needed by policies that ``needs_native_routes``; tokens where ``has_native`` is False are not
-    selected (their native routes are not known).
+    selected (their native routes are not known). ``layer``: the routes are that one MoE layer's
+    (:meth:`ReplaySession.select`).
     """
     recorded = recorded_routes(routes, num_experts)
     # A count per token, not .all(1): a reduction over a short last dimension runs element by element.
@@ -144,7 +146,7 @@ def select_micro_batch(
     if session is not None and bool(selectable.any()):
         batch = Routes(rollout=routes, valid=selectable, num_experts=num_experts, native=native, offsets=offsets,
                        ids_checked=True, native_margin=native_margin)
-        mask = session.select(batch, sequences=keys, probe=probe)
+        mask = session.select(batch, sequences=keys, probe=probe, layer=layer)
     return MicroBatchSelection(routes=routes, offsets=offsets, keys=keys, valid=valid, mask=mask,
                                unrecorded=int((~recorded).sum()), batch=batch)
 

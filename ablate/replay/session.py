@@ -68,6 +68,7 @@ class ReplaySession:
         #: The session's training step: selection streams and probes are keyed by it.
         self.step = 0
         self._probe_runs: list[ProbeRun] | None = None
+        self._layer_policies: dict[int, ReplayPolicy] = {}
         self._reset_step()
 
     def _reset_step(self) -> None:
@@ -98,16 +99,20 @@ class ReplaySession:
         return self.tracker.scores() if self.tracker.has_estimate else None
 
     def select(self, routes: Routes, *, sequences: list[bytes] | None = None,
-               probe: ProbeRun | None = None) -> Tensor:
+               probe: ProbeRun | None = None, layer: int | None = None) -> Tensor:
         """The ``[tokens, layers]`` replay mask of ``routes``: the cell's, or ``probe``'s.
 
         Without ``sequences`` the budget is counted over the whole batch and the draws come from
         one stream per step. With ``sequences`` (a content key per sequence of ``routes.offsets``)
         every sequence gets its exact share of the budget and its own stream, keyed by its
         content: its mask is the same in any batch, so every pass of a step that batches it
-        differently replays the same routes. A probe draws from streams of its own.
+        differently replays the same routes. A probe draws from streams of its own. ``layer``:
+        ``routes`` hold that one MoE layer (``[tokens, 1, topk]``), and the policy reads that
+        layer's row of the Fisher estimate.
         """
         policy, budget = (self.policy, self.budget) if probe is None else (probe.policy, probe.probe.budget)
+        if layer is not None and probe is None:
+            policy = self._layer_policy(layer)
         if sequences is None:
             mask = replay_mask(policy, routes, budget, generator=self._stream(probe))
         else:
@@ -117,6 +122,12 @@ class ReplaySession:
             self.counts["fisher_fallback"] += policy.info.get("fisher_fallback", 0.0)
         return mask
 
+    def _layer_policy(self, layer: int) -> ReplayPolicy:
+        """The cell's policy for routes of one MoE layer: a ``fisher`` policy reads that layer's row."""
+        if layer not in self._layer_policies:
+            self._layer_policies[layer] = self.spec.policy.policy_reading(_LayerFisher(self.tracker, layer))
+        return self._layer_policies[layer]
+
     def _stream(self, probe: ProbeRun | None, *sequence: bytes) -> torch.Generator:
         """The draws of one selection: the cell's (per step, or per sequence by its content), or a probe's."""
         if probe is not None:
@@ -125,16 +136,20 @@ class ReplaySession:
 
     # ------------------------------------------------------------------------- counting
     def count(self, routes: Routes | None, mask: Tensor | None, *, unrecorded: int = 0,
-              into: dict[str, float] | None = None) -> None:
+              into: dict[str, float] | None = None, layer: int | None = None) -> None:
         """Add one batch's route counts to the step's (or to ``into``: a probe pass's own).
 
         ``routes`` are the valid routes the mask chose from, with the native routes the training
         router computed where known; None when the batch had no valid route. ``unrecorded``
-        routes (the rollout never recorded them) are counted apart.
+        routes (the rollout never recorded them) are counted apart. ``layer``: ``routes`` hold
+        that one MoE layer (as in :meth:`select`).
         """
         counts = self.counts if into is None else into
         if routes is not None:
-            added = route_counts(routes, mask, fisher_scores=self.fisher_scores())
+            scores = self.fisher_scores()
+            if scores is not None and layer is not None:
+                scores = scores[layer:layer + 1]
+            added = route_counts(routes, mask, fisher_scores=scores)
             for key, value in added.items():
                 counts[key] += value
         counts["unrecorded_routes"] += unrecorded
@@ -187,6 +202,20 @@ class ReplaySession:
         self.tracker.accumulate((sums / counts.clamp(min=1))[None], counts[None])
         self.tracker.step()
         return int(skipped.sum()) + self.tracker.nonfinite_last_step
+
+
+class _LayerFisher:
+    """One MoE layer's row of a Fisher tracker's estimate, read as a one-layer estimate."""
+
+    def __init__(self, tracker: FisherTracker, layer: int) -> None:
+        self.tracker, self.layer = tracker, layer
+
+    @property
+    def has_estimate(self) -> bool:
+        return self.tracker.has_estimate
+
+    def scores(self) -> Tensor:
+        return self.tracker.scores()[self.layer:self.layer + 1]
 
 
 def new_counts() -> dict[str, float]:
