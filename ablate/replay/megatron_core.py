@@ -174,6 +174,12 @@ class PartialReplay:
         """Steps closed by :meth:`metrics` so far."""
         return 0 if self.session is None else self.session.step
 
+    @property
+    def needs_native_pass(self) -> bool:
+        """The policy selects on native routes (``mismatch``): run each replay data's forward in
+        :meth:`native_pass` once before the forwards that replay it."""
+        return self.spec.policy_class.needs_native_routes
+
     def sequences(self, offsets: Tensor | list[int] | None) -> None:
         """Sequence boundaries of the replay data handed from now on: ``[sequences + 1]`` row offsets
         (in the routers' row order, over the whole micro-batch), or None: the batch is one sequence.
@@ -196,8 +202,8 @@ class PartialReplay:
         """Forwards in which the routers route natively and record their native routes.
 
         A policy that selects on native routes (``mismatch``) chooses its mask from them when the
-        pass ends; its loop runs one forward of the replay data here before the forwards that
-        replay it. Routes of a native pass are not counted.
+        pass ends; its loop runs one forward of the replay data here, under ``REPLAY_FORWARD``,
+        before the forwards that replay it. Routes of a native pass are not counted.
         """
         self._native = True
         try:
@@ -303,8 +309,8 @@ class PartialReplay:
         if batch.selection is None:
             raise NativeRoutesMissing(
                 f"partial_replay(policy={self.spec.policy.name}) selects on native routes, and a forward replayed "
-                "routes no native pass has routed: expected one forward of the same replay data inside "
-                "replay.native_pass() first")
+                "routes no native pass has routed: expected one forward of the same replay data, under "
+                "REPLAY_FORWARD, inside replay.native_pass() first")
         self._replaying_calls += 1
         probs, indices, native = mr.replay_topk(original, replay, scores, topk, num_groups, group_topk,
                                                 default_compute_topk, batch.local_mask[:, column])
