@@ -240,7 +240,6 @@ class PartialReplay:
             raise ReplayDataError("partial_replay: another replay is active in this process (a partial_replay "
                                   "context or ablate's verl hook): expected one at a time")
         set_data, set_targets = ep.original(mr.SET_REPLAY_DATA), ep.original(mr.SET_TARGETS)
-        replay_topk, routing = ep.original(mr.REPLAY_TOPK), ep.original(mr.ROUTING)
 
         def set_replay_data(all_layers_topk_indices):
             self.set_replay_data(set_data, all_layers_topk_indices)
@@ -248,18 +247,9 @@ class PartialReplay:
         def set_target_indices(replay, topk_indices):
             self.set_target_indices(set_targets, replay, topk_indices)
 
-        def get_replay_topk(replay, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-            return self.get_replay_topk(replay_topk, replay, scores, topk, num_groups, group_topk,
-                                        default_compute_topk)
-
-        def routing_of(router, logits, *args, **kwargs):
-            self.watch(router, logits)
-            return routing(router, logits, *args, **kwargs)
-
         ep.replace(mr.SET_REPLAY_DATA, staticmethod(set_replay_data))
         ep.replace(mr.SET_TARGETS, set_target_indices)
-        ep.replace(mr.REPLAY_TOPK, get_replay_topk)
-        ep.replace(mr.ROUTING, routing_of)
+        mr.replace_router_calls(mr.REPLAY_TOPK, mr.ROUTING, self.get_replay_topk, self.watch)
 
     def uninstall(self) -> None:
         for point in mr.MEGATRON_CORE_POINTS:

@@ -15,7 +15,9 @@ group_topk, default_compute_topk)``. So one piece of code applies ablate's mask 
 - :func:`replay_topk` is ``get_replay_topk`` with the mask: the ``RouterReplay``'s own replay where
   the mask holds, the router's own top-k elsewhere (``torch.where``: a route is one or the other,
   never a mix), and the native top-k for the caller to report;
-- :func:`watch_logit_gradients` hands the router-logit gradients to the Fisher estimate.
+- :func:`watch_logit_gradients` hands the router-logit gradients to the Fisher estimate;
+- :func:`replace_router_calls` puts a path's own ``get_replay_topk`` and a look at each
+  ``TopKRouter.routing`` call in Megatron-core's place.
 
 Nothing here synchronises with the host: a router call stays a chain of device operations.
 
@@ -32,6 +34,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from ablate.replay import entry_points as ep
 from ablate.replay.entry_points import EntryPoint
 
 #: The megatron-core release the Megatron-core rows are written against (``.ci/verl-env.sh`` installs it).
@@ -134,3 +137,21 @@ def watch_logit_gradients(logits: Tensor, add_fisher: Callable[[Tensor], None]) 
     """``add_fisher(gradient)`` with the gradient the loss gives the router logits, where one flows."""
     if torch.is_grad_enabled() and logits.requires_grad:
         logits.register_hook(add_fisher)
+
+
+def replace_router_calls(replay_topk_point: EntryPoint, routing_point: EntryPoint, replay_topk: Callable,
+                         watch: Callable[[Any, Tensor], None]) -> None:
+    """Route every ``get_replay_topk`` call to ``replay_topk(original, replay, scores, topk, num_groups,
+    group_topk, default_compute_topk)``, and show each ``TopKRouter.routing`` call to ``watch(router,
+    logits)`` before the router routes. :func:`ablate.replay.entry_points.restore` puts both back."""
+    original_topk, original_routing = ep.original(replay_topk_point), ep.original(routing_point)
+
+    def get_replay_topk(replay, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        return replay_topk(original_topk, replay, scores, topk, num_groups, group_topk, default_compute_topk)
+
+    def routing(router, logits, *args, **kwargs):
+        watch(router, logits)
+        return original_routing(router, logits, *args, **kwargs)
+
+    ep.replace(replay_topk_point, get_replay_topk)
+    ep.replace(routing_point, routing)

@@ -48,7 +48,13 @@ from ablate.backends.verl import entry_points as ep
 from ablate.backends.verl.engines.base import arm as arm_engine
 from ablate.backends.verl.engines.base import hooked_call, r3_call
 from ablate.replay import megatron_routers, ranks
-from ablate.replay.megatron_routers import REPLAY_FORWARD, TargetTable, replay_topk, watch_logit_gradients
+from ablate.replay.megatron_routers import (
+    REPLAY_FORWARD,
+    TargetTable,
+    replace_router_calls,
+    replay_topk,
+    watch_logit_gradients,
+)
 from ablate.replay.seams import CallInfo, EngineSeam, split_augmented
 
 ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
@@ -172,19 +178,7 @@ class MegatronSeam(EngineSeam):
             # patched routing. verl's later call returns early for an already patched TopKRouter. The
             # check keeps the router registry intact when the model already exists.
             apply_router_replay_patch()
-        original_topk = ep.original(self._replay_topk)
-        original_routing = ep.original(ROUTING)
-
-        def get_replay_topk(replay, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-            return self.get_replay_topk(original_topk, replay, scores, topk, num_groups, group_topk,
-                                        default_compute_topk)
-
-        def routing(router, logits, *args, **kwargs):
-            self.watch_logit_gradients(router, logits)
-            return original_routing(router, logits, *args, **kwargs)
-
-        ep.replace(self._replay_topk, get_replay_topk)
-        ep.replace(ROUTING, routing)
+        replace_router_calls(self._replay_topk, ROUTING, self.get_replay_topk, self.watch_logit_gradients)
 
     def uninstall(self) -> None:
         for point in (self._replay_topk, ROUTING, SET_REPLAY_DATA, FORWARD_BACKWARD, self._set_targets):
