@@ -425,8 +425,8 @@ def _checked_targets(targets: Any, first: Any) -> Tensor:
     if (not isinstance(targets, Tensor) or targets.dim() != 2 or targets.is_floating_point()
             or tuple(targets.shape) != expected):
         got = f"{targets.dtype} {tuple(targets.shape)}" if isinstance(targets, Tensor) else type(targets).__name__
-        raise ReplayDataError(f"replay data of {got} for a router: expected integer expert ids [rows, topk], the "
-                              f"same for every layer ({expected})")
+        same = f", {list(expected)} like the first layer's" if expected is not None and targets is not first else ""
+        raise ReplayDataError(f"replay data of {got} for a router: expected integer expert ids [rows, topk]{same}")
     return targets
 
 

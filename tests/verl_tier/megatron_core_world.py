@@ -433,6 +433,16 @@ def edges(rank: int, port: int, out_path: str) -> None:
     found["mismatch_without_native_pass"] = outcome(without_native_pass, "mismatch", 0.5)
     RouterReplay.clear_global_indices()
     found["bad_budget"] = outcome(lambda replay: None, "random", 1.5)
+    found["float_routes"] = outcome(lambda replay: RouterReplay.set_replay_data([t.float() for t in per_layer]),
+                                    "random", 0.4)
+    found["bad_boundaries"] = outcome(lambda replay: replay.sequences([0, 9, 4]), "random", 0.4)
+
+    def boundaries_elsewhere(replay):
+        replay.sequences([0, 5, 9])
+        RouterReplay.set_replay_data(per_layer)
+
+    found["boundaries_elsewhere"] = outcome(boundaries_elsewhere, "random", 0.4)
+    RouterReplay.clear_global_indices()
     found["after_refusal"] = restored()
 
     def crash(replay):

@@ -210,6 +210,12 @@ def test_a_context_that_replays_nothing_fails_in_one_line_naming_the_policy(edge
     assert edges["mismatch_without_native_pass"].startswith(
         "NativeRoutesMissing: partial_replay(policy=mismatch) selects on native routes")
     assert edges["bad_budget"].startswith("BudgetError: budget=1.5 in policy=random: expected a fraction in [0, 1]")
+    assert edges["float_routes"] == ("ReplayDataError: replay data of torch.float32 (16, 2) for a router: expected "
+                                     "integer expert ids [rows, topk]")
+    assert edges["bad_boundaries"] == ("ReplayDataError: replay.sequences([0, 9, 4]): expected non-decreasing integer "
+                                       "row offsets [0, ..., rows], one more than the sequences")
+    assert edges["boundaries_elsewhere"] == ("ReplayDataError: replay.sequences(...) ends at row 9, and the replay "
+                                             "data hold 16 rows: expected boundaries over the whole micro-batch")
 
 
 def test_a_router_call_waits_for_the_host_no_more_than_megatrons_own_replay(edges):

@@ -49,7 +49,7 @@ def run(rank: int, port: int, policies: list, out_path: str) -> None:
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     from ablate.backends.verl import engines
-    from ablate.backends.verl.engines.megatron import MegatronSeam
+    from ablate.backends.verl.engines.megatron import replay_class_points
     from ablate.backends.verl.hook_settings import HookSettings
     from ablate.policies import policy_class
     from ablate.replay import ReplaySession, ReplaySpec
@@ -87,8 +87,7 @@ def run(rank: int, port: int, policies: list, out_path: str) -> None:
             router.router_replay.clear_router_replay_action()
         return torch.stack(maps, dim=1)
 
-    results = {"seam_points": [point.module for point in (MegatronSeam(None)._set_targets,
-                                                            MegatronSeam(None)._replay_topk)]}
+    results = {"seam_points": [point.module for point in replay_class_points()]}
     for policy, budget in policies:
         spec = ReplaySpec.of(policy, budget, seed=3)
         hook = engines.install(HookSettings(spec).make_hook())

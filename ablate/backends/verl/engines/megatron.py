@@ -116,7 +116,10 @@ class MegatronSeam(EngineSeam):
         self._routers: dict[int, _Router] = {}
         #: each targets tensor handed to a RouterReplay -> its rows' :class:`LayerTargets`, for one pass.
         self._targets = TargetTable()
-        self._set_targets, self._replay_topk = replay_class_points()
+        #: ``set_target_indices`` and ``get_replay_topk`` of the class verl drives, read when the routers
+        #: are installed (the hook is built where verl is not installed too: benchmarks, the fast tests).
+        self._set_targets: ep.EntryPoint | None = None
+        self._replay_topk: ep.EntryPoint | None = None
 
     # ------------------------------------------------------------------------ the seam
     def call_info(self, engine, data, forward_only: bool) -> CallInfo | None:
@@ -171,6 +174,7 @@ class MegatronSeam(EngineSeam):
         """
         from megatron.core.transformer.moe.router import TopKRouter
 
+        self._set_targets, self._replay_topk = replay_class_points()
         if self._replay_topk.module == _VERL_REPLAY and not getattr(TopKRouter, "_router_replay_patched", False):
             from verl.utils.megatron.router_replay_patch import apply_router_replay_patch
 
@@ -182,7 +186,8 @@ class MegatronSeam(EngineSeam):
 
     def uninstall(self) -> None:
         for point in (self._replay_topk, ROUTING, SET_REPLAY_DATA, FORWARD_BACKWARD, self._set_targets):
-            ep.restore(point)
+            if point is not None:
+                ep.restore(point)
         self._routers.clear()
         self._targets.clear()
 
