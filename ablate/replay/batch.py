@@ -157,6 +157,7 @@ def select_micro_batch(
     has_native: Tensor | None = None,
     native_margin: Tensor | None = None,
     probe: ProbeRun | None = None,
+    layer: int | None = None,
 ) -> MicroBatchSelection:
     """Select the replayed routes of one micro-batch of MoE routes ``[tokens, layers, topk]``.
 
@@ -165,7 +166,8 @@ def select_micro_batch(
     ``probe``'s; without a session (a pass that replays nothing) the mask is empty. ``native``
     (``[tokens, layers, topk]``) and ``native_margin`` (``[tokens, layers]``) are needed by
     policies that ``needs_native_routes``; tokens where ``has_native`` is False are not selected
-    (their native routes are not known), and their valid tokens per sequence are read once more.
+    (their native routes are not known), and their valid tokens per sequence are read once more. ``layer``: the routes
+    are that one MoE layer's (:meth:`ReplaySession.select`).
     """
     plan = plan_micro_batch(routes, r3_mask, offsets, num_experts) if plan is None else plan
     mask = torch.zeros(routes.shape[:2], dtype=torch.bool, device=routes.device)
@@ -179,7 +181,7 @@ def select_micro_batch(
     if sum(host.valid_counts):
         batch = Routes(rollout=routes, valid=selectable, num_experts=num_experts, native=native, offsets=plan.offsets,
                        ids_checked=True, native_margin=native_margin, host=host)
-        mask = session.select(batch, sequences=plan.keys, probe=probe)
+        mask = session.select(batch, sequences=plan.keys, probe=probe, layer=layer)
     return MicroBatchSelection(routes, plan, mask, batch)
 
 

@@ -74,6 +74,8 @@ class ReplaySession:
         #: The session's training step: selection streams and probes are keyed by it.
         self.step = 0
         self._probe_runs: list[ProbeRun] | None = None
+        self._layer_policies: dict[int, ReplayPolicy] = {}
+        self._layer_fishers: dict[int, _LayerFisher] = {}
         self._reset_step()
 
     def _reset_step(self) -> None:
@@ -111,19 +113,23 @@ class ReplaySession:
         return self.tracker.scores() if self.tracker.has_estimate else None
 
     def select(self, routes: Routes, *, sequences: list[bytes] | None = None,
-               probe: ProbeRun | None = None) -> Tensor:
+               probe: ProbeRun | None = None, layer: int | None = None) -> Tensor:
         """The ``[tokens, layers]`` replay mask of ``routes``: the cell's, or ``probe``'s.
 
         Without ``sequences`` the budget is counted over the whole batch and the draws come from
         one stream per step. With ``sequences`` (a content key per sequence of ``routes.offsets``)
         every sequence gets its exact share of the budget and its own stream, keyed by its
         content: its mask is the same in any batch, so every pass of a step that batches it
-        differently replays the same routes. A probe draws from streams of its own.
+        differently replays the same routes. A probe draws from streams of its own. ``layer``:
+        ``routes`` hold that one MoE layer (``[tokens, 1, topk]``), and the policy reads that
+        layer's row of the Fisher estimate.
 
         Where the host knows the routes' layout (``routes.host``), nothing here reads the device:
         the mask's budget check is kept and read with the step's counts (:meth:`close_step`).
         """
         policy, budget = (self.policy, self.budget) if probe is None else (probe.policy, probe.probe.budget)
+        if layer is not None and probe is None:
+            policy = self._layer_policy(layer)
         checks = self._checks if routes.host is not None else None
         if sequences is None:
             mask = replay_mask(policy, routes, budget, generator=self._stream(probe), checks=checks)
@@ -134,6 +140,17 @@ class ReplaySession:
             self._counts_on(mask.device)[STEP_COUNTS.index("fisher_fallback")] += 1.0
         return mask
 
+    def _layer_policy(self, layer: int) -> ReplayPolicy:
+        """The cell's policy for routes of one MoE layer: a ``fisher`` policy reads that layer's row."""
+        if layer not in self._layer_policies:
+            self._layer_policies[layer] = self.spec.policy.policy_reading(self._layer_fisher(layer))
+        return self._layer_policies[layer]
+
+    def _layer_fisher(self, layer: int) -> _LayerFisher:
+        if layer not in self._layer_fishers:
+            self._layer_fishers[layer] = _LayerFisher(self.tracker, layer)
+        return self._layer_fishers[layer]
+
     def _stream(self, probe: ProbeRun | None, *sequence: bytes) -> torch.Generator:
         """The draws of one selection: the cell's (per step, or per sequence by its content), or a probe's."""
         if probe is not None:
@@ -142,14 +159,15 @@ class ReplaySession:
 
     # ------------------------------------------------------------------------- counting
     def count(self, routes: Routes | None, mask: Tensor | None, *, unrecorded: Tensor | int = 0,
-              unobserved: Tensor | None = None, into: Tensor | None = None) -> None:
+              unobserved: Tensor | None = None, into: Tensor | None = None, layer: int | None = None) -> None:
         """Add one batch's route counts to the step's (or to ``into``, from :meth:`new_counts`: a probe pass's own).
 
         ``routes`` are the valid routes the mask chose from, with the native routes the training
         router computed where known; None when the batch had no valid route. ``unrecorded``
         routes (the rollout never recorded them) are counted apart. ``unobserved``: how many valid
         routes no router reported a native route for; where some are, the batch's ``routing/``
-        counts are left out. Everything stays on the device.
+        counts are left out. ``layer``: ``routes`` hold that one MoE layer (as in :meth:`select`).
+        Everything stays on the device.
         """
         if routes is None:
             if not isinstance(unrecorded, int) or unrecorded:
@@ -159,8 +177,8 @@ class ReplaySession:
             return
         counts = self._counts_on(routes.device) if into is None else into
         observed = None if unobserved is None else unobserved == 0
-        counts[:len(ROUTE_COUNTS)] += route_count_tensor(routes, mask, fisher_scores=self.fisher_scores(),
-                                                        observed=observed)
+        scores = self.fisher_scores() if layer is None else self._layer_fisher(layer).scores_or_none()
+        counts[:len(ROUTE_COUNTS)] += route_count_tensor(routes, mask, fisher_scores=scores, observed=observed)
         counts[STEP_COUNTS.index("unrecorded_routes")] += unrecorded
         if unobserved is not None:
             counts[STEP_COUNTS.index("unobserved_routes")] += unobserved
@@ -234,3 +252,25 @@ class ReplaySession:
         self.tracker.add_sums(sums, counts, int(skipped.sum().tolist()))
         self.tracker.step()
         return self.tracker.nonfinite_last_step
+
+
+class _LayerFisher:
+    """One MoE layer's row of a Fisher tracker's estimate, read as a one-layer estimate (the same view
+    for a step, as the tracker's scores are the same tensor for a step)."""
+
+    def __init__(self, tracker: FisherTracker, layer: int) -> None:
+        self.tracker, self.layer = tracker, layer
+        self._row: tuple[Tensor, Tensor] | None = None
+
+    @property
+    def has_estimate(self) -> bool:
+        return self.tracker.has_estimate
+
+    def scores(self) -> Tensor:
+        estimate = self.tracker.scores()
+        if self._row is None or self._row[0] is not estimate:
+            self._row = (estimate, estimate[self.layer:self.layer + 1])
+        return self._row[1]
+
+    def scores_or_none(self) -> Tensor | None:
+        return self.scores() if self.has_estimate else None

@@ -4,6 +4,7 @@ At launch the installed sources are read without importing them; when the hook i
 objects are inspected. A verl whose function moved fails the launch in one line naming it.
 """
 
+import inspect
 import textwrap
 
 import pytest
@@ -19,10 +20,11 @@ pytestmark = pytest.mark.verl
 def test_every_entry_point_is_in_the_installed_sources_and_the_live_objects_agree():
     ep.check_sources("megatron", cpu=True)
     ep.check_sources("veomni", cpu=True)
-    assert {point.engine for point in ep.ENTRY_POINTS} == {"megatron", "veomni", "trainer"}
+    assert {point.engine for point in ep.ENTRY_POINTS} == {"megatron", "veomni", "trainer", "megatron_core"}
     for point in ep.ENTRY_POINTS:  # imports each module, as the hook's install does
-        owner, attribute, current = ep._lookup(point)
-        assert getattr(owner, attribute) is current, point.where
+        owner, attribute, current = ep.lookup(point)
+        # as stored: a staticmethod (RouterReplay.set_replay_data) is put back as the staticmethod it was
+        assert inspect.getattr_static(owner, attribute) is current, point.where
 
 
 @pytest.fixture()
@@ -49,7 +51,7 @@ def test_a_moved_function_fails_the_check_in_one_line_naming_it(moved_verl, monk
     reordered = ep.EntryPoint("megatron", moved_verl, "set_router_replay_data",
                               ("layers_topk_idx", "attention_mask", "tf_config", "vp_rank"), "a seam method")
     with pytest.raises(ep.EntryPointMissing) as raised:
-        ep._check_params(moved, ep._source_params(moved))
+        ep.check_params(moved, ep.source_params(moved))
     message = str(raised.value)
     assert message.startswith("movedverl.engine.MegatronEngine.forward_backward_batch is not there: movedverl.engine "
                               "defines no MegatronEngine.forward_backward_batch: ablate's hook replaces it with")
@@ -57,7 +59,7 @@ def test_a_moved_function_fails_the_check_in_one_line_naming_it(moved_verl, monk
     # followed through the module's own import, and checked against what the hook passes on
     with pytest.raises(ep.EntryPointMissing, match=r"set_router_replay_data takes \(routes, tf_config\), not "
                                                    r"\(layers_topk_idx, attention_mask, tf_config, vp_rank, \.\.\.\)"):
-        ep._check_params(reordered, ep._source_params(reordered))
+        ep.check_params(reordered, ep.source_params(reordered))
     with pytest.raises(ep.EntryPointMissing, match="is not there: movedverl.engine.MegatronEngine has no forward_backward_batch"):
         ep.replace(moved, lambda *args: None)  # the live check refuses to wrap it too
 

@@ -1,13 +1,18 @@
-"""Every point where ablate's replay hook enters verl, Megatron-core or VeOmni, in one table.
+"""Every point where ablate's replay enters verl, Megatron-core or VeOmni, in one table.
 
 ablate changes no file of verl or of an engine: it replaces a few names at run time. Each one is
-an :class:`EntryPoint` below, with the function that replaces it. Each is checked twice:
+an entry point below, with the function that replaces it (:mod:`ablate.replay.entry_points`
+checks and replaces them). Each is checked twice:
 
 - at launch, before anything is written, from the installed sources without importing them
   (:func:`check_sources`): a verl whose function moved, was renamed or lost a parameter the
   hook passes on fails the cell in one line naming it;
 - when the hook installs in verl's actor (:func:`replace`): the live object, its signature
   inspected, so nothing is ever wrapped silently in the wrong place.
+
+The Megatron-core block is what :func:`ablate.replay.megatron_core.partial_replay` replaces for the
+length of its context in any Megatron-core loop, and what verl's Megatron seam replaces when verl
+drives Megatron-core's own ``RouterReplay`` instead of its patched copy (:func:`router_replay_module`).
 
 The CPU stand-ins of ``backend=verl_cpu`` (:mod:`ablate.backends.verl.cpu`) replace CUDA-only code
 and a few of verl's private names, not replay; every verl, mbridge or Megatron-core name they replace
@@ -17,46 +22,40 @@ is a row here too (``cpu=True``), checked the same two ways when a cell runs on 
 from __future__ import annotations
 
 import ast
-import importlib
-import importlib.util
-import inspect
-import sys
+import functools
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import ClassVar
 
 from ablate.backends.verl.config import ENGINES, VERL_VERSION
+from ablate.replay import entry_points, megatron_routers
+from ablate.replay.entry_points import (  # the seams replace and restore through this module
+    EntryPointMissing,
+    check_params,
+    imported_module,
+    lookup,
+    original,
+    parsed_source,
+    replace,
+    replaced,
+    restore,
+    source_params,
+    verify,
+)
 
 MEGATRON, VEOMNI, TRAINER = ENGINES["megatron"].name, ENGINES["veomni"].name, "trainer"
 
 
 @dataclass(frozen=True)
-class EntryPoint:
-    """One name ablate replaces: ``module.name`` (``name`` may be ``Class.method``).
+class EntryPoint(entry_points.EntryPoint):
+    """One name ablate's verl hook replaces (``engine``: the seam that replaces it; ``trainer``: verl's
+    trainer process, for every engine): a refusal names the verl release it is written against."""
 
-    ``params`` are the leading parameters ablate's replacement receives and passes on; the
-    installed function must start with them. None: the name is no function (a module attribute,
-    a registry, a class), and must only be there. ``engine`` is the seam that replaces it
-    (``trainer``: for every engine). ``during`` says when it is replaced: for the whole process
-    once the hook is installed, or only for the length of one call. ``cpu``: only a CPU run
-    (``backend=verl_cpu``) replaces it.
-    """
-
-    engine: str
-    module: str
-    name: str
-    params: tuple[str, ...] | None
-    ablate: str
-    during: str = "process"
-    cpu: bool = False
-
-    @property
-    def where(self) -> str:
-        return f"{self.module}.{self.name}"
+    against: ClassVar[str] = f"verl {VERL_VERSION} (REQUIRED_VERL.txt)"
 
 
 MEGATRON_ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
 _MEGATRON_REPLAY = "verl.utils.megatron.router_replay_patch"
+_MEGATRON_REPLAY_UTILS = "verl.utils.megatron.router_replay_utils"
 VEOMNI_ENGINE_MODULE = "verl.workers.engine.veomni.transformer_impl"
 _VEOMNI_REPLAY = "verl.utils.veomni.router_replay"
 #: Megatron-core modules that create tensors with ``device="cuda"`` (or ``torch.cuda.current_device()``): a CPU
@@ -135,11 +134,18 @@ ENTRY_POINTS: tuple[EntryPoint, ...] = (
         *((MEGATRON, module, "torch", None, "patches.cuda_literals: CPU tensor factories")
           for module in CUDA_LITERAL_MODULES),
     )),
+    # ---- Megatron-core's own RouterReplay (ablate/replay/megatron_routers.py): partial_replay in any
+    # Megatron-core loop, and verl's Megatron seam where verl drives this class instead of its patch
+    *megatron_routers.MEGATRON_CORE_POINTS,
 )
 
 
-class EntryPointMissing(RuntimeError):
-    """An entry point that is not where the table says, or not with the parameters the hook passes on."""
+def cpu_point(module: str, name: str) -> EntryPoint:
+    """The CPU stand-ins' row for ``module.name``."""
+    for point in ENTRY_POINTS:
+        if point.cpu and point.module == module and point.name == name:
+            return point
+    raise KeyError(f"{module}.{name} is not in ablate's entry-point table of the CPU stand-ins")
 
 
 def entry(module: str, name: str) -> EntryPoint:
@@ -152,23 +158,35 @@ def entry(module: str, name: str) -> EntryPoint:
 
 def of_engine(engine: str, *, cpu: bool = False) -> tuple[EntryPoint, ...]:
     """The entry points a cell on ``engine`` uses: the engine's own and the trainer's (with ``cpu``,
-    those of the CPU stand-ins too)."""
-    return tuple(point for point in ENTRY_POINTS if point.engine in (engine, TRAINER) and (cpu or not point.cpu))
+    those of the CPU stand-ins too).
+
+    On Megatron, the ``RouterReplay`` rows are those of the class verl drives (:func:`router_replay_module`).
+    """
+    points = tuple(point for point in ENTRY_POINTS
+                   if point.engine in (engine, TRAINER) and (cpu or not point.cpu))
+    if engine == MEGATRON and router_replay_module() == megatron_routers.ROUTER_REPLAY:
+        points = (*(point for point in points if point.module != _MEGATRON_REPLAY),
+                  megatron_routers.SET_TARGETS, megatron_routers.REPLAY_TOPK)
+    return points
 
 
-def _missing(point: EntryPoint, problem: str) -> EntryPointMissing:
-    return EntryPointMissing(
-        f"{point.where} {problem}: ablate's hook replaces it with {point.ablate} and is written against verl "
-        f"{VERL_VERSION} (REQUIRED_VERL.txt; every entry point: ablate/backends/verl/entry_points.py)")
+@functools.cache
+def router_replay_module() -> str:
+    """The module of the ``RouterReplay`` class verl's Megatron engine replays routes with, read from
+    verl's sources without importing them.
 
-
-def _check_params(point: EntryPoint, found: list[str] | None) -> None:
-    if point.params is None:
-        return
-    if found is None:
-        raise _missing(point, "is not a function")
-    if found[:len(point.params)] != list(point.params):
-        raise _missing(point, f"takes ({', '.join(found)}), not ({', '.join(point.params)}, ...)")
+    verl 0.9.1 drives its own patched copy (``verl.utils.megatron.router_replay_patch``); a verl
+    that drives Megatron-core's own class (``megatron.core.transformer.moe.router_replay``) imports
+    it from there instead. ``router_replay_utils``, which hands each router its targets, says which.
+    """
+    point = entry(MEGATRON_ENGINE_MODULE, "set_router_replay_data")
+    path, statements = parsed_source(point, _MEGATRON_REPLAY_UTILS)
+    for node in statements:
+        if isinstance(node, ast.ImportFrom) and any(alias.name == "RouterReplay" for alias in node.names):
+            return imported_module(_MEGATRON_REPLAY_UTILS, node, path)
+    raise EntryPointMissing(f"{_MEGATRON_REPLAY_UTILS} imports no RouterReplay: ablate's Megatron seam replays "
+                            f"through the RouterReplay class verl's Megatron engine drives, which it finds there "
+                            f"(verl {VERL_VERSION}: {_MEGATRON_REPLAY}.RouterReplay)")
 
 
 # ------------------------------------------------------------------ at launch: the sources only
@@ -179,126 +197,9 @@ def check_sources(engine: str, *, cpu: bool = False) -> None:
     Raises :class:`EntryPointMissing` naming the first one that moved or changed.
     """
     for point in of_engine(engine, cpu=cpu):
-        _check_params(point, _source_params(point))
+        check_params(point, source_params(point))
 
 
-def _source_file(module: str) -> Path | None:
-    """The source file of ``module``, found from its top-level package without importing the module."""
-    top, *rest = module.split(".")
-    spec = importlib.util.find_spec(top)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for root in spec.submodule_search_locations:
-        base = Path(root).joinpath(*rest)
-        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
-            if candidate.is_file():
-                return candidate
-    return None
-
-
-def _source_params(point: EntryPoint, module: str | None = None, hops: int = 3) -> list[str] | None:
-    """Parameter names of ``point.name`` as defined in ``module``'s source (following ``from x import``);
-    None where it is defined as no function (a class, an assignment, an import of a name that is no row's function)."""
-    module = module or point.module
-    path = _source_file(module)
-    if path is None:
-        raise _missing(point, f"is not there: module {module} is not installed")
-    scope: list[ast.stmt] = ast.parse(path.read_text(encoding="utf-8")).body
-    *owners, name = point.name.split(".")
-    for owner in owners:
-        found = next((node for node in scope if isinstance(node, ast.ClassDef) and node.name == owner), None)
-        if found is None:
-            raise _missing(point, f"is not there: {module} defines no class {owner}")
-        scope = found.body
-    for node in scope:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
-            arguments = node.args
-            return [a.arg for a in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs)]
-        if point.params is None and _defines(node, name):
-            return None
-        if not owners and isinstance(node, ast.ImportFrom) and hops > 0:
-            if any((alias.asname or alias.name) == name and alias.name == name for alias in node.names):
-                source = _absolute(module, node, path)
-                return _source_params(point, source, hops - 1)
-    raise _missing(point, f"is not there: {module} defines no {point.name}")
-
-
-def _defines(node: ast.stmt, name: str) -> bool:
-    """``node`` binds ``name`` as something other than a function: a class, an assignment, an import."""
-    if isinstance(node, ast.ClassDef):
-        return node.name == name
-    if isinstance(node, (ast.Assign, ast.AnnAssign)):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-        return any(isinstance(target, ast.Name) and target.id == name for target in targets)
-    if isinstance(node, (ast.Import, ast.ImportFrom)):
-        return any((alias.asname or alias.name).split(".")[0] == name for alias in node.names)
-    return False
-
-
-def _absolute(module: str, node: ast.ImportFrom, path: Path) -> str:
-    if not node.level:
-        return node.module or ""
-    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-    base = package[:len(package) - node.level + 1]
-    return ".".join([*base, node.module] if node.module else base)
-
-
-# ----------------------------------------------------------------- at install: the live objects
-_ORIGINALS: dict[EntryPoint, Any] = {}
-
-
-def original(point: EntryPoint) -> Any:
-    """What ``point`` held before ablate replaced it (what it holds now if not replaced)."""
-    return _ORIGINALS[point] if point in _ORIGINALS else _lookup(point)[2]
-
-
-def _lookup(point: EntryPoint) -> tuple[Any, str, Any]:
-    """(the object holding the name, the attribute, its current value), with its signature checked."""
-    module = sys.modules.get(point.module) or importlib.import_module(point.module)
-    *owners, attribute = point.name.split(".")
-    owner: Any = module
-    for name in owners:
-        owner = getattr(owner, name, None)
-        if owner is None:
-            raise _missing(point, f"is not there: {point.module} has no {name}")
-    current = owner.__dict__.get(attribute) if isinstance(owner, type) else getattr(owner, attribute, None)
-    if current is None:
-        raise _missing(point, f"is not there: {'.'.join([point.module, *owners])} has no {attribute}")
-    if point.params is not None:
-        function = current.__func__ if isinstance(current, (staticmethod, classmethod)) else current
-        target = inspect.unwrap(_ORIGINALS.get(point, function))
-        _check_params(point, list(inspect.signature(target).parameters))
-    return owner, attribute, current
-
-
-def cpu_point(module: str, name: str) -> EntryPoint:
-    """The CPU stand-ins' row for ``module.name``."""
-    for point in ENTRY_POINTS:
-        if point.cpu and point.module == module and point.name == name:
-            return point
-    raise KeyError(f"{module}.{name} is not in ablate's entry-point table of the CPU stand-ins")
-
-
-def verify(*points: EntryPoint) -> None:
-    """Each live object where its row says, with the parameters it says: for names a stand-in wraps in place."""
-    for point in points:
-        _lookup(point)
-
-
-def replace(point: EntryPoint, replacement: Any) -> Any:
-    """Put ``replacement`` in ``point``'s place (checked first); returns the original it stands in for."""
-    owner, attribute, current = _lookup(point)
-    previous = _ORIGINALS.setdefault(point, current)
-    setattr(owner, attribute, replacement)
-    return previous
-
-
-def restore(point: EntryPoint) -> None:
-    """Put the original back, if ``point`` was replaced."""
-    if point in _ORIGINALS:
-        owner, attribute, _ = _lookup(point)
-        setattr(owner, attribute, _ORIGINALS.pop(point))
-
-
-def replaced(point: EntryPoint) -> bool:
-    return point in _ORIGINALS
+__all__ = ["CUDA_LITERAL_MODULES", "ENTRY_POINTS", "MEGATRON_ENGINE_MODULE", "VEOMNI_ENGINE_MODULE", "EntryPoint",
+           "EntryPointMissing", "check_params", "check_sources", "cpu_point", "entry", "lookup", "of_engine",
+           "original", "replace", "replaced", "restore", "router_replay_module", "source_params", "verify"]

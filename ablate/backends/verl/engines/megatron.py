@@ -3,17 +3,21 @@
 verl replays rollout routes in ``MegatronEngine.forward_step``: it builds a per-token R3 mask
 and hands routes and mask to ``set_router_replay_data``, which packs them (THD, context-parallel
 zigzag, sequence-parallel scatter) and maps each router to its layer's column by global layer
-number. The routers apply ``torch.where(mask, replayed, native)`` in
-``RouterReplay.get_replay_topk``. The seam replaces (:mod:`..entry_points`):
+number. Each router replays through a ``RouterReplay``: verl 0.9.1's patched copy of
+Megatron-core's class, or Megatron-core's own where a verl drives that one
+(:func:`..entry_points.router_replay_module` reads which from verl's sources). The seam
+replaces (:mod:`..entry_points`):
 
 - ``set_router_replay_data``, in ``transformer_impl``'s namespace only: the hook selects a
   ``[tokens, layers]`` mask and the routes travel with one more column (mask, valid token and
   row id, packed). verl packs that augmented tensor exactly like the routes, so every router receives
   its own layer's mask and row ids already aligned with its rows; ``set_target_indices``,
-  replaced for the length of that call, splits the columns back off and hands the layer's mask
-  to verl as its replay mask. No packing logic is duplicated.
-- ``RouterReplay.get_replay_topk``: hands the native top-k verl computes anyway for a masked
-  replay to the hook.
+  replaced for the length of that call, splits the columns back off and hands the routes on,
+  keeping the layer's mask beside them (:class:`ablate.replay.megatron_routers.TargetTable`).
+  No packing logic is duplicated.
+- ``RouterReplay.get_replay_topk``: ``torch.where(mask, replayed, native)`` with that mask
+  (:func:`ablate.replay.megatron_routers.replay_topk`, shared with
+  :func:`ablate.replay.megatron_core.partial_replay`), the native top-k to the hook.
 - ``TopKRouter.routing``: registers a gradient hook on the router logits, whose per-token
   squares feed the Fisher estimate.
 - ``MegatronEngine.forward_backward_batch``: one hook call per verl call (:func:`.base.hooked_call`).
@@ -43,17 +47,30 @@ from torch import Tensor
 from ablate.backends.verl import entry_points as ep
 from ablate.backends.verl.engines.base import arm as arm_engine
 from ablate.backends.verl.engines.base import hooked_call, r3_call
-from ablate.replay import ranks
-from ablate.replay.seams import CallInfo, EngineSeam, LayerTargets, split_augmented
+from ablate.replay import megatron_routers, ranks
+from ablate.replay.megatron_routers import (
+    REPLAY_FORWARD,
+    TargetTable,
+    replace_router_calls,
+    replay_topk,
+    watch_logit_gradients,
+)
+from ablate.replay.seams import CallInfo, EngineSeam, split_augmented
 
 ENGINE_MODULE = ep.MEGATRON_ENGINE_MODULE
-_REPLAY = "verl.utils.megatron.router_replay_patch"
+_VERL_REPLAY = "verl.utils.megatron.router_replay_patch"
 INIT = ep.entry(ENGINE_MODULE, "MegatronEngine.__init__")
 FORWARD_BACKWARD = ep.entry(ENGINE_MODULE, "MegatronEngine.forward_backward_batch")
 SET_REPLAY_DATA = ep.entry(ENGINE_MODULE, "set_router_replay_data")
-SET_TARGETS = ep.entry(_REPLAY, "RouterReplay.set_target_indices")
-REPLAY_TOPK = ep.entry(_REPLAY, "RouterReplay.get_replay_topk")
 ROUTING = ep.entry("megatron.core.transformer.moe.router", "TopKRouter.routing")
+
+
+def replay_class_points() -> tuple[ep.EntryPoint, ep.EntryPoint]:
+    """``RouterReplay.set_target_indices`` and ``get_replay_topk`` of the class verl drives."""
+    if ep.router_replay_module() == megatron_routers.ROUTER_REPLAY:
+        return megatron_routers.SET_TARGETS, megatron_routers.REPLAY_TOPK
+    return (ep.entry(_VERL_REPLAY, "RouterReplay.set_target_indices"),
+            ep.entry(_VERL_REPLAY, "RouterReplay.get_replay_topk"))
 
 
 def layer_columns(tf_config, route_layers: int) -> tuple[int | None, ...]:
@@ -97,8 +114,12 @@ class MegatronSeam(EngineSeam):
         super().__init__(hook)
         #: id(RouterReplay) -> its column, set at each micro-batch the router replays.
         self._routers: dict[int, _Router] = {}
-        #: id(replay mask tensor handed to verl) -> (that tensor, its rows' targets), for one pass.
-        self._targets: dict[int, tuple[Tensor, LayerTargets]] = {}
+        #: each targets tensor handed to a RouterReplay -> its rows' :class:`LayerTargets`, for one pass.
+        self._targets = TargetTable()
+        #: ``set_target_indices`` and ``get_replay_topk`` of the class verl drives, read when the routers
+        #: are installed (the hook is built where verl is not installed too: benchmarks, the fast tests).
+        self._set_targets: ep.EntryPoint | None = None
+        self._replay_topk: ep.EntryPoint | None = None
 
     # ------------------------------------------------------------------------ the seam
     def call_info(self, engine, data, forward_only: bool) -> CallInfo | None:
@@ -146,37 +167,27 @@ class MegatronSeam(EngineSeam):
         ep.replace(FORWARD_BACKWARD, forward_backward_batch)
 
     def install_routers(self) -> None:
-        """Native routes and Fisher gradients of Megatron's routers reach the hook.
+        """Masks, native routes and Fisher gradients of Megatron's routers reach the hook.
 
-        It imports only verl's router-replay patch and Megatron's router, not verl's engine, so a
-        benchmark can drive the hook where verl's trainer dependencies are not installed.
+        It imports only the RouterReplay class verl drives and Megatron's router, not verl's engine,
+        so a benchmark can drive the hook where verl's trainer dependencies are not installed.
         """
         from megatron.core.transformer.moe.router import TopKRouter
 
-        from verl.utils.megatron.router_replay_patch import apply_router_replay_patch
+        self._set_targets, self._replay_topk = replay_class_points()
+        if self._replay_topk.module == _VERL_REPLAY and not getattr(TopKRouter, "_router_replay_patched", False):
+            from verl.utils.megatron.router_replay_patch import apply_router_replay_patch
 
-        # verl applies its patch when an R3 engine is built; applying it first lets us wrap the
-        # patched routing. verl's later call returns early for an already patched TopKRouter. The
-        # check keeps the router registry intact when the model already exists.
-        if not getattr(TopKRouter, "_router_replay_patched", False):
+            # verl applies its patch when an R3 engine is built; applying it first lets us wrap the
+            # patched routing. verl's later call returns early for an already patched TopKRouter. The
+            # check keeps the router registry intact when the model already exists.
             apply_router_replay_patch()
-        original_topk = ep.original(REPLAY_TOPK)
-        original_routing = ep.original(ROUTING)
-
-        def get_replay_topk(replay, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-            return self.get_replay_topk(original_topk, replay, scores, topk, num_groups, group_topk,
-                                        default_compute_topk)
-
-        def routing(router, logits, *args, **kwargs):
-            self.watch_logit_gradients(router, logits)
-            return original_routing(router, logits, *args, **kwargs)
-
-        ep.replace(REPLAY_TOPK, get_replay_topk)
-        ep.replace(ROUTING, routing)
+        replace_router_calls(self._replay_topk, ROUTING, self.get_replay_topk, self.watch_logit_gradients)
 
     def uninstall(self) -> None:
-        for point in (REPLAY_TOPK, ROUTING, SET_REPLAY_DATA, FORWARD_BACKWARD, SET_TARGETS):
-            ep.restore(point)
+        for point in (self._replay_topk, ROUTING, SET_REPLAY_DATA, FORWARD_BACKWARD, self._set_targets):
+            if point is not None:
+                ep.restore(point)
         self._routers.clear()
         self._targets.clear()
 
@@ -208,71 +219,47 @@ class MegatronSeam(EngineSeam):
     def _splitting_targets(self, topk: int, block: slice):
         """While verl distributes augmented routes, split each router's columns back apart.
 
-        A router given as many rows as the micro-batch has got them all, in order: verl padded and
+        The routes go on to the ``RouterReplay`` without verl's own replay mask: the layer's mask
+        stays with them in the seam, and :meth:`get_replay_topk` applies it, with either class. A
+        router given as many rows as the micro-batch has got them all, in order: verl padded and
         split nothing (no sequence or context parallelism, no alignment padding), so its rows are
         ``block``, known without decoding them.
         """
-        original = ep.original(SET_TARGETS)
+        original = ep.original(self._set_targets)
         rows = block.stop - block.start
 
         def set_target_indices(replay, topk_indices: Tensor, replay_mask: Tensor | None = None):
             targets = split_augmented(topk_indices, topk, block if topk_indices.shape[0] == rows else None)
-            self._targets[id(targets.mask)] = (targets.mask, targets)
-            original(replay, targets.routes, replay_mask=targets.mask)
+            self._targets.add(targets.routes, targets)
+            original(replay, targets.routes)
 
-        ep.replace(SET_TARGETS, set_target_indices)
+        ep.replace(self._set_targets, set_target_indices)
         try:
             yield
         finally:
-            ep.restore(SET_TARGETS)
-
-    def _targets_of(self, mask: Tensor | None) -> LayerTargets | None:
-        found = self._targets.get(id(mask)) if mask is not None else None
-        return found[1] if found is not None and found[0] is mask else None
+            ep.restore(self._set_targets)
 
     def get_replay_topk(self, original, replay, scores, topk, num_groups, group_topk, default_compute_topk):
-        """verl's masked replay, its native top-k (computed anyway) reported to the hook."""
-        from verl.utils.megatron.router_replay_patch import RouterReplayAction
-
-        forward = replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD
-        targets = self._targets_of(replay.target_replay_mask) if forward else None
+        """The router's replay with ablate's mask; in the forward, its native top-k reported to the hook."""
+        targets = self._targets.pending(replay)
         router = self._routers.get(id(replay))
         if targets is None or router is None or router.replay is not replay:
             return original(replay, scores, topk, num_groups, group_topk, default_compute_topk)
-        captured = []
-
-        def compute_native(s, k, num_groups=None, group_topk=None):
-            probs, indices = default_compute_topk(s, k, num_groups=num_groups, group_topk=group_topk)
-            captured.append((s, indices))
-            return probs, indices
-
-        out = original(replay, scores, topk, num_groups, group_topk, compute_native)
-        if captured:
+        probs, indices, native = replay_topk(original, replay, scores, topk, num_groups, group_topk,
+                                             default_compute_topk, targets.mask)
+        if megatron_routers.action(replay) == REPLAY_FORWARD:
             with torch.no_grad():
-                self.hook.observe(router.column, targets.rows, captured[0][1], captured[0][0])
-        return out
+                self.hook.observe(router.column, targets.rows, native, scores)
+        return probs, indices
 
     def watch_logit_gradients(self, router, logits: Tensor) -> None:
         """Per-token squared router-logit gradients of a replaying router go to the Fisher estimate."""
         replay = getattr(router, "router_replay", None)
-        if replay is None or not torch.is_grad_enabled() or not logits.requires_grad:
-            return
-        targets = self._targets_of(_pending_mask(replay))
+        targets = self._targets.pending(replay) if replay is not None else None
         slot = self._routers.get(id(replay))
         if targets is not None and slot is not None and slot.replay is replay:
             hook, layer, valid = self.hook, slot.moe_layer, targets.valid
-            logits.register_hook(lambda grad: hook.add_fisher(layer, grad, valid))
-
-
-def _pending_mask(replay) -> Tensor | None:
-    """The mask the router is about to use: current target, or the next backward-recompute one."""
-    from verl.utils.megatron.router_replay_patch import RouterReplayAction
-
-    if replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD:
-        return replay.target_replay_mask
-    if replay.router_replay_action == RouterReplayAction.REPLAY_BACKWARD and replay.replay_backward_mask_list:
-        return replay.replay_backward_mask_list[0]
-    return None
+            watch_logit_gradients(logits, lambda grad: hook.add_fisher(layer, grad, valid))
 
 
 # --------------------------------------------------------------------- install in the actor only
