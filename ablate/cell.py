@@ -32,8 +32,14 @@ from ablate.store import sweep_directory
 #: code is found; the policy's name and settings are what the cell computes with; ``analysis`` is
 #: read by ``ablate-analyze`` only).
 NOT_IDENTITY = ("tracking", "store_dir", "sweep", "objective", "hydra", "plugins", "analysis")
+#: Config keys added after cells were first stored, with their defaults: a cell that leaves one at its
+#: default computes what it computed before the key existed, and its identity hashes without it.
+LATER_KEYS: dict[str, object] = {"replay.source": "rollout", "replay.weights": "recompute"}
+#: The diagnostics schema version every identity hashes: the one cells were stored with when later
+#: versions began to only add keys (the records' own version is ``schema_version`` in the config).
+IDENTITY_SCHEMA_VERSION = "1.2"
 
-__all__ = ["NOT_IDENTITY", "Cell", "cell_id_of", "cell_name"]
+__all__ = ["LATER_KEYS", "NOT_IDENTITY", "Cell", "cell_id_of", "cell_name"]
 
 
 @dataclass(frozen=True)
@@ -137,8 +143,20 @@ def cell_name(replay: ReplaySpec, trial: int | None = None, variant: str = "") -
 
 
 def cell_id_of(resolved: dict[str, Any]) -> str:
-    """The identity of a resolved config: a hash of every key that changes what the cell computes."""
+    """The identity of a resolved config: a hash of every key that changes what the cell computes.
+
+    A key of :data:`LATER_KEYS` at its default and the schema version (:data:`IDENTITY_SCHEMA_VERSION`)
+    hash as they did before the key or the version existed, so a run store keeps its cells' identities.
+    """
     identity = {k: v for k, v in resolved.items() if k not in NOT_IDENTITY}
+    for key, default in LATER_KEYS.items():
+        section, _, name = key.partition(".")
+        values = identity.get(section)
+        if isinstance(values, dict) and values.get(name) == default:
+            values = {k: v for k, v in values.items() if k != name}
+            identity = {**identity, section: values} if values else {k: v for k, v in identity.items() if k != section}
+    if "schema_version" in identity:
+        identity["schema_version"] = IDENTITY_SCHEMA_VERSION
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
 
 

@@ -36,11 +36,18 @@ ROUTE_COUNTS = (
 )
 
 
-def route_counts(routes: Routes, mask: Tensor, *, fisher_scores: Tensor | None = None) -> dict[str, float]:
+def route_counts(routes: Routes, mask: Tensor, *, fisher_scores: Tensor | None = None,
+                 used: Tensor | None = None) -> dict[str, float]:
     """The :data:`ROUTE_COUNTS` of one batch and replay mask ``[tokens, layers]``.
 
     ``fisher_mass`` and ``fisher_total`` are the Fisher route scores (``sum_{e in route} F[l, e]``)
     of the replayed and of all valid routes; 0 without ``fisher_scores``.
+
+    ``used`` ``[tokens, layers, topk]`` are the experts the forward used where a replayed route is
+    not simply the rollout's (a replay variant, docs/policies.md): the trainer's own recorded
+    routes (R2) or the routes a score gate left (``threshold``). Then a replayed route is
+    *overridden* where ``used`` differs from the native route, a mismatched route counts as
+    replayed (restored) only where ``used`` is the rollout's, and the Fisher mass is that of ``used``.
     """
     every_token = bool(routes.valid.all())
     mask = mask if every_token else mask & routes.valid[:, None]
@@ -52,8 +59,11 @@ def route_counts(routes: Routes, mask: Tensor, *, fisher_scores: Tensor | None =
         counts.update(compared_routes=counts["valid_routes"], compared_tokens=float(routes.num_valid_tokens),
                       compared_replayed=counts["replayed_routes"])
         counts.update(_mismatch_counts(routes, mask, differences, every_token))
+        if used is not None:
+            counts.update(_applied_counts(routes, mask, used))
     if fisher_scores is not None:
-        score = route_scores(fisher_scores, routes)  # 0 on invalid tokens; read-only (kept on routes)
+        scored = routes if used is None else Routes(used, routes.valid, routes.num_experts, ids_checked=True)
+        score = route_scores(fisher_scores, scored)  # 0 on invalid tokens; read-only (kept on routes)
         counts["fisher_total"] = float(score.sum(dtype=torch.float64))
         counts["fisher_mass"] = float(torch.where(mask, score, 0.0).sum(dtype=torch.float64))
     return counts
@@ -84,6 +94,18 @@ def _mismatch_counts(routes: Routes, mask: Tensor, differences: RouteDifferences
     }
 
 
+def _applied_counts(routes: Routes, mask: Tensor, used: Tensor) -> dict[str, float]:
+    """What replay changed where the routes used are not the rollout's: overridden and restored routes."""
+    assert routes.native is not None
+    used = used.sort(-1).values
+    changed = (used != routes.native.sort(-1).values).any(-1) & mask
+    rollout = routes.rollout.sort(-1).values
+    mismatched = (rollout != routes.native.sort(-1).values).any(-1)
+    restored = mismatched & mask & (used == rollout).all(-1)
+    valid = routes.valid[:, None]
+    return {"overridden_routes": float((changed & valid).sum()), "mismatched_replayed": float((restored & valid).sum())}
+
+
 def metrics_from_counts(
     counts: dict[str, float],
     budget: float,
@@ -91,6 +113,7 @@ def metrics_from_counts(
     *,
     fisher_fallback: bool = False,
     fisher_nonfinite: int | None = None,
+    replaced_slots: float = 0.0,
 ) -> dict[str, float]:
     """Every ``replay/`` and ``routing/`` key from (summed) :data:`ROUTE_COUNTS`.
 
@@ -98,6 +121,8 @@ def metrics_from_counts(
     - ``replay/effective_budget``: overridden / valid routes with native routes known, the share
       of valid routes that replay actually changed (``budget_realized x override_rate``; 0 when
       nothing is replayed). NaN without native routes.
+    - ``replay/replace_rate``: ``replaced_slots`` (replayed experts a score gate handed back) / the
+      replayed routes' ``topk`` slots; NaN when nothing is replayed.
     - ``replay/fisher_mass``: Fisher score of the replayed routes / of all valid routes.
     - ``replay/fisher_nonfinite``: the Fisher tracker's skipped non-finite contributions
       (:attr:`ablate.FisherTracker.nonfinite_last_step`); NaN when no tracker is given.
@@ -113,6 +138,7 @@ def metrics_from_counts(
         "replay/unrecorded_routes": float(c["unrecorded_routes"]),
         "replay/override_rate": _ratio(c["overridden_routes"], c["compared_replayed"]),
         "replay/effective_budget": _ratio(c["overridden_routes"], compared),
+        "replay/replace_rate": _ratio(replaced_slots, c["replayed_routes"] * topk),
         "replay/fisher_mass": _ratio(c["fisher_mass"], c["fisher_total"]),
         "replay/fisher_fallback": float(bool(fisher_fallback)),
         "replay/fisher_nonfinite": NAN if fisher_nonfinite is None else float(fisher_nonfinite),

@@ -20,7 +20,9 @@ from typing import Any, Literal, Mapping
 #: of the synthetic backend's PPO step (clip_frac_lower, reward_chance, task_shifted, is_weight_mean, is_truncated_frac).
 #: 1.2 adds the probe families ``probe/<probe id>/<key>`` (docs/probes.md): per counterfactual probe,
 #: the ``mismatch/`` keys and replay/budget_realized, override_rate, effective_budget of its mask.
-SCHEMA_VERSION = "1.2"
+#: 1.3 adds replay/replace_rate (the share of replayed expert slots a gate handed back: policy=threshold)
+#: for the replay variants (docs/policies.md); every 1.2 key keeps its meaning.
+SCHEMA_VERSION = "1.3"
 JSON_SCHEMA_PATH = Path(__file__).with_name("schema.json")
 
 Kind = Literal["fraction", "count", "nonnegative", "real", "flag"]
@@ -68,6 +70,9 @@ _KEYS = [
     Key("replay/effective_budget", "fraction", "fraction of valid routes",
         "replayed routes whose rollout route differs from the native route: the routes replay changed "
         "(budget_realized x override_rate)", True),
+    Key("replay/replace_rate", "fraction", "fraction of replayed expert slots",
+        "replayed experts the trainer's score gate handed back to its own top-k (policy=threshold; 0 without a "
+        "gate)", True),
     Key("replay/fisher_mass", "fraction", "fraction of Fisher score",
         "share of the total Fisher route score of valid routes that the mask covers", True),
     Key("replay/fisher_fallback", "flag", "0/1",

@@ -39,10 +39,11 @@ from ablate.seeding import stream
 
 #: A sum over the ranks that each counted a disjoint part of the routes (identity on one process).
 Reduce = Callable[[Tensor], Tensor]
-#: Counts of one step: the shared route counts and the micro-batches whose policy fell back to random.
-STEP_COUNTS = (*ROUTE_COUNTS, "fisher_fallback")
+#: Counts of one step: the shared route counts, the micro-batches whose policy fell back to random and
+#: the replayed expert slots a score gate handed back (``threshold``).
+STEP_COUNTS = (*ROUTE_COUNTS, "fisher_fallback", "replaced_slots")
 #: Counts that every update epoch adds once more: reported per step, i.e. per epoch.
-PER_EPOCH_COUNTS = ("valid_routes", "replayed_routes", "unrecorded_routes")
+PER_EPOCH_COUNTS = ("valid_routes", "replayed_routes", "unrecorded_routes", "replaced_slots")
 
 
 def _alone(values: Tensor) -> Tensor:
@@ -125,19 +126,23 @@ class ReplaySession:
 
     # ------------------------------------------------------------------------- counting
     def count(self, routes: Routes | None, mask: Tensor | None, *, unrecorded: int = 0,
-              into: dict[str, float] | None = None) -> None:
+              into: dict[str, float] | None = None, used: Tensor | None = None, replaced_slots: float = 0.0) -> None:
         """Add one batch's route counts to the step's (or to ``into``: a probe pass's own).
 
         ``routes`` are the valid routes the mask chose from, with the native routes the training
         router computed where known; None when the batch had no valid route. ``unrecorded``
-        routes (the rollout never recorded them) are counted apart.
+        routes (the rollout never recorded them) are counted apart. A replay variant whose
+        replayed routes are not the rollout's gives the routes the forward ``used`` and the slots
+        its gate handed back (``replaced_slots``; :func:`ablate.diagnostics.route_counts`).
         """
         counts = self.counts if into is None else into
         if routes is not None:
-            added = route_counts(routes, mask, fisher_scores=self.fisher_scores())
+            added = route_counts(routes, mask, fisher_scores=self.fisher_scores(), used=used)
             for key, value in added.items():
                 counts[key] += value
         counts["unrecorded_routes"] += unrecorded
+        if replaced_slots:
+            counts["replaced_slots"] += replaced_slots
 
     def add_fisher(self, layer: int, logit_grads: Tensor, valid: Tensor) -> None:
         """Per-token squared router-logit gradients of one MoE layer's valid rows, for this step's estimate.
@@ -166,7 +171,7 @@ class ReplaySession:
         for key in PER_EPOCH_COUNTS:
             totals[key] /= update_epochs
         metrics = metrics_from_counts(totals, self.budget, self.topk, fisher_fallback=totals["fisher_fallback"] > 0,
-                                      fisher_nonfinite=nonfinite)
+                                      fisher_nonfinite=nonfinite, replaced_slots=totals["replaced_slots"])
         metrics.update(self.probe_keys)
         self.step += 1
         self._reset_step()
