@@ -243,6 +243,10 @@ def check_supported(app: AppConfig, probes: list[dict[str, Any]], replay: Replay
     if probes and not backend.scores_probes:
         raise ConfigError(f"probes={[row['id'] for row in probes]} with backend={backend.name}: "
                           "expected no probes (this backend does not score them)")
+    gated = [row["id"] for row in probes if policy_class(row["policy"]).gates_slots]
+    if gated:
+        raise ConfigError(f"probes=[{','.join(gated)}]: a probe scores a mask, and {gated[0]} spends what its gate "
+                          "lets through in the MoE forward, which a probe's pass does not apply; run it as a cell")
     estimator = choice_value(app.policy.fisher.estimator)
     if estimator not in backend.fisher_estimators:
         raise ConfigError(f"policy.fisher.estimator={estimator}: expected {' or '.join(backend.fisher_estimators)} "

@@ -15,18 +15,21 @@ refusals, a grid over ``replay.source`` and the analysis reading a variant of ``
 import hashlib
 import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
-from synthetic_configs import compose_config
+from synthetic_configs import TINY, compose_config
 
 from ablate.analysis.tables import effects
 from ablate.backends.synthetic import run_cell_steps
 from ablate.compose import cell_from_config
 from ablate.config import ConfigError
 from ablate.policies import ThresholdReplay
+from ablate.store import read_records
 from ablate.sweep import plan_grid
 
 STEPS = "backend.steps=4"
@@ -161,3 +164,36 @@ def test_a_variant_of_full_meets_random_at_budget_1_which_is_full():
     assert variant.loc["selection", "baseline"] == "random" and variant.loc["selection", "budget"] == 1.0
     assert variant.loc["selection", "mean"] == pytest.approx(4.025)  # against full, seed by seed
     assert math.isclose(variant.loc["matched_selection", "mean"], 0.025)  # against none: random's curve at e=0
+
+
+# --- from the command line -------------------------------------------------------------------
+
+
+def ablate(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "ablate", *args, f"store_dir={tmp_path / 'runs'}"]
+    return subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900,
+                          cwd=tmp_path)
+
+
+def test_the_variants_sweep_plans_its_union_of_grids(tmp_path):
+    done = ablate(tmp_path, "sweeps=variants", "hydra.sweeper.dry_run=true")
+    assert done.returncode == 0, done.stdout[-2000:]
+    assert "sweep variants: 120 cells: 0 complete (skipped), 0 failed (rerun), 0 unfinished (rerun), 120 new" in done.stdout
+    names = {line.split()[1] for line in done.stdout.splitlines() if line.startswith("new ")}
+    assert {"none-s9", "full-s9", "random-b0.1-s9", "full+replay.source=train-s9", "random+replay.source=train-b0.5-s9",
+            "threshold+ratio=0.98-s9", "full+replay.weights=rollout-s9"} <= names
+    assert not any(name.startswith("none+") or name.startswith("random+replay.source=train-b0.1") for name in names)
+
+
+@pytest.mark.slow
+def test_the_replay_source_is_a_grid_axis_of_a_real_multirun(tmp_path):
+    shrink = [o for o in TINY if not o.startswith("backend.steps")]
+    done = ablate(tmp_path, "-m", "policy=none,full,random", "budget=0.5", "replay.source=rollout,train", "seed=0",
+                  "backend.steps=2", *shrink, "tracking.mode=disabled")
+    assert done.returncode == 0, done.stdout[-3000:]
+    sweep = tmp_path / "runs" / "adhoc"
+    found = {path.name.rsplit("-", 1)[0]: path for path in sweep.iterdir() if not path.name.startswith("_")}
+    assert set(found) == {"none-s0", "full-s0", "random-b0.5-s0", "full+replay.source=train-s0",
+                          "random+replay.source=train-b0.5-s0"}
+    r2 = read_records(found["full+replay.source=train-s0"])
+    assert (r2["routing/residual_mismatch_rate"] > 0).all() and (r2["replay/budget_realized"] == 1).all()
