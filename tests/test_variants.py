@@ -119,6 +119,10 @@ def test_a_cell_without_a_variant_keeps_the_identity_it_had_before_the_replay_se
     (["policy=threshold", "replay.weights=rollout"],
      "replay.weights=rollout with policy=threshold: its gate puts the trainer's experts into replayed routes, "
      "which have no rollout gate weights; use replay.weights=recompute"),
+    (["policy=mismatch", "budget=0.5", "replay.source=train"],
+     "replay.source=train with policy=mismatch: mismatch ranks routes by how their replayed experts differ from "
+     "the native ones, and R2 replays the trainer's own native routes, so none differ"),
+    (["policy=random", "budget=0.5", "probes=[threshold]"], "probes=[threshold]: a probe scores a mask"),
     (["policy=threshold", "policy.ratio=1.5"],
      "policy.ratio=1.5: expected a ratio in [0, 1] of the trainer's weakest top-k gate score (0: full replay; 1: "
      "none that differs)"),
