@@ -139,11 +139,12 @@ def build_command(cell: Cell, metrics_file: Path, *, launch: bool = True) -> tup
            *cfg.overrides]
     settings = HookSettings(cell.replay, engine=engine)
     draft = compose(config_dir, cfg.config_name, [*verl_overrides(settings), *own])
-    check_cell_config(draft, cell.policy, cell.plugins, engine=engine)
+    source = cell.replay.source
+    check_cell_config(draft, cell.policy, cell.plugins, engine=engine, source=source)
     settings = dataclasses.replace(settings, update_epochs=update_epochs(draft))
     overrides = [*verl_overrides(settings), *own]
     check_cell_config(compose(config_dir, cfg.config_name, overrides), cell.policy, cell.plugins,
-                      [probe.id for probe in cell.probes], engine=engine)
+                      [probe.id for probe in cell.probes], engine=engine, source=source)
     command = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={config_dir.resolve()}",
                f"--config-name={cfg.config_name}", *overrides]
     return command, env
