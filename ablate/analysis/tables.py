@@ -42,6 +42,7 @@ from ablate.analysis.settings import AnalysisSettings
 from ablate.analysis.signflip import t_interval
 from ablate.analysis.stats import bootstrap_ci, iqm
 from ablate.arms import arm_policy
+from ablate.diagnostics.schema import comparable_version
 from ablate.policies import fixed_budget_policies
 from ablate.policies.roles import (
     BUDGET_CONTROL,
@@ -77,8 +78,10 @@ def arm_keys(df: pd.DataFrame, by: Sequence[str] | None = None) -> list[str]:
             varied = df.attrs.get("config_keys", [])
             raise KeyError(f"by={list(by)}: no column {missing}; config keys that vary here: {varied or 'none'}")
         return [key for key in by if key not in ("policy", "budget", "seed")]
-    candidates = [*df.attrs.get("config_keys", []), "schema_version"]
-    return [key for key in dict.fromkeys(candidates) if key in df.columns and df[key].nunique(dropna=False) > 1]
+    keys = [key for key in df.attrs.get("config_keys", []) if key in df.columns and df[key].nunique(dropna=False) > 1]
+    if "schema_version" in df.columns and df["schema_version"].map(comparable_version).nunique(dropna=False) > 1:
+        keys.append("schema_version")  # versions whose records only add keys to each other's are one
+    return list(dict.fromkeys(keys))
 
 
 def contexts(df: pd.DataFrame, keys: Sequence[str]) -> list[tuple[dict[str, Any], pd.DataFrame]]:

@@ -24,6 +24,17 @@ from typing import Any, Literal, Mapping
 #: for the replay variants (docs/policies.md); every 1.2 key keeps its meaning.
 SCHEMA_VERSION = "1.3"
 JSON_SCHEMA_PATH = Path(__file__).with_name("schema.json")
+#: Each version whose records only add keys to an earlier version's, with that version: cells of the
+#: two are compared as one (:func:`comparable_version`), so a store resumed after the bump stays one sweep.
+EXTENDS: dict[str, str] = {"1.3": "1.2"}
+
+
+def comparable_version(version: str | None) -> str | None:
+    """The earliest version whose records ``version``'s only add keys to (itself if none): what cells are compared by."""
+    while version in EXTENDS:
+        version = EXTENDS[version]
+    return version
+
 
 Kind = Literal["fraction", "count", "nonnegative", "real", "flag"]
 _RANGES: dict[str, tuple[float, float]] = {
