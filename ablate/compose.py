@@ -294,7 +294,8 @@ def _section_name(cfg: DictConfig, prefix: str) -> str:
     return prefix.rstrip(".") or "the config"
 
 
-def variant_of(policy: str, settings: dict[str, Any], fisher: dict[str, Any], replay: dict[str, str] | None = None) -> str:
+def variant_of(policy: str, settings: dict[str, Any], fisher: dict[str, Any],
+               replay: dict[str, str] | None = None) -> str:
     """The settings that differ from the policy's defaults, as ``k=v`` joined by commas.
 
     Cells of one policy with different settings (a temperature sweep, per-layer against global

@@ -182,7 +182,8 @@ def ablate(tmp_path, *args: str) -> subprocess.CompletedProcess:
 def test_the_variants_sweep_plans_its_union_of_grids(tmp_path):
     done = ablate(tmp_path, "sweeps=variants", "hydra.sweeper.dry_run=true")
     assert done.returncode == 0, done.stdout[-2000:]
-    assert "sweep variants: 120 cells: 0 complete (skipped), 0 failed (rerun), 0 unfinished (rerun), 120 new" in done.stdout
+    planned = "sweep variants: 120 cells: 0 complete (skipped), 0 failed (rerun), 0 unfinished (rerun), 120 new"
+    assert planned in done.stdout
     names = {line.split()[1] for line in done.stdout.splitlines() if line.startswith("new ")}
     assert {"none-s9", "full-s9", "random-b0.1-s9", "full+replay.source=train-s9", "random+replay.source=train-b0.5-s9",
             "threshold+ratio=0.98-s9", "full+replay.weights=rollout-s9"} <= names

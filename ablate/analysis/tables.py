@@ -427,7 +427,7 @@ def _control_budgets(baseline: str, budgets: Mapping[str, list[float]], present:
 
 
 def _control_seeds(arms: Arms, baseline: str, budget: float | None) -> dict[Hashable, float]:
-    """The baseline's values at ``budget`` (:func:`arm_seeds`), ``random`` at 0 and 1 read from ``none`` and ``full``."""
+    """The baseline's values at ``budget`` (:func:`arm_seeds`); ``random`` at 0 and 1 is ``none`` and ``full``."""
     found = arm_seeds(arms, baseline, budget)
     if found or baseline != CURVE_POLICY or budget is None:
         return found

@@ -329,7 +329,8 @@ class RolloutEngine:
             weight.copy_(weight.to(self.dtype))
 
     @torch.no_grad()
-    def generate(self, prompts: Tensor, length: int, sampler: torch.Generator, *, record_weights: bool = False) -> Rollout:
+    def generate(self, prompts: Tensor, length: int, sampler: torch.Generator, *,
+                 record_weights: bool = False) -> Rollout:
         """Sample ``length`` tokens after ``prompts``: a prefill, then one cached step per token.
 
         ``record_weights``: record the gate weights of every route with its expert ids.
@@ -531,7 +532,8 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
 
     for step in range(cfg.steps):
         batch = sample_prompts(cfg, streams["prompts"])
-        rollout = engine.generate(batch.prompts, response_len, streams["sampling"], record_weights=variant.rollout_weights)
+        rollout = engine.generate(batch.prompts, response_len, streams["sampling"],
+                                  record_weights=variant.rollout_weights)
         shifted = task_shifted(cfg, step)
         rewards = reward(cfg, batch, rollout.sequences[:, prompt_len:], shifted)
         grouped = rewards.view(cfg.prompts_per_step, cfg.group_size)

@@ -30,7 +30,7 @@ EXTENDS: dict[str, str] = {"1.3": "1.2"}
 
 
 def comparable_version(version: str | None) -> str | None:
-    """The earliest version whose records ``version``'s only add keys to (itself if none): what cells are compared by."""
+    """The earliest version whose records ``version``'s only add keys to (itself if none): what cells compare by."""
     while version in EXTENDS:
         version = EXTENDS[version]
     return version

@@ -1,4 +1,4 @@
-"""Replay policies: one interface, a registry (fed by entry points), the six built-in selections and prime-rl's score gate."""
+"""Replay policies: one interface, a registry (fed by entry points), six built-in selections, prime-rl's score gate."""
 
 from ablate.policies.base import (
     ENTRY_POINT_GROUP,

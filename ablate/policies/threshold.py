@@ -1,4 +1,4 @@
-"""prime-rl's score gate (PR #2703) as a policy: full replay, each replayed expert kept only where the trainer agrees enough.
+"""prime-rl's score gate (PR #2703) as a policy: full replay, each replayed expert kept where the trainer agrees.
 
 The mask offers every valid route, as ``full``'s does; where the mask is applied, the trainer's
 router scores decide slot by slot (:meth:`ThresholdReplay.gate`). That gate needs the scores at

@@ -73,7 +73,7 @@ class ReplaySpec:
         if self.source == "train" and traits.needs_native_routes:
             raise VariantError(f"replay.source=train with policy={name}: {name} ranks routes by how their replayed "
                                "experts differ from the native ones, and R2 replays the trainer's own native routes, "
-                               f"so none differ; use replay.source=rollout or another policy")
+                               "so none differ; use replay.source=rollout or another policy")
         if self.weights == "rollout" and self.source == "train":
             raise VariantError("replay.weights=rollout with replay.source=train: R2 replays the trainer's own expert "
                                "ids, and its old-log-prob pass records no rollout gate weights to go with them; use "

@@ -288,7 +288,8 @@ def test_the_hook_installs_itself_only_with_an_r3_megatron_actor():
 
 
 def test_the_hook_installs_itself_in_an_r2_megatron_actor_too():
-    engines = {"reference": ("MegatronEngineWithLMHead", "R2", True), "actor": ("MegatronEngineWithLMHead", "R2", False)}
+    engines = {"reference": ("MegatronEngineWithLMHead", "R2", True),
+               "actor": ("MegatronEngineWithLMHead", "R2", False)}
     code = INSTALL_PROBE.format(cell=r2_settings().to_json(), engines=engines)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

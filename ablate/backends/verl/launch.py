@@ -76,7 +76,7 @@ def seed_overrides(seed: int, engine: str = "megatron") -> list[str]:
 
 
 def replay_mode(source: str) -> str:
-    """verl's ``router_replay.mode`` for a cell's ``replay.source``: R3 replays the rollout's routes, R2 the trainer's own."""
+    """verl's ``router_replay.mode`` of a ``replay.source``: R3 replays the rollout's routes, R2 the trainer's own."""
     return "R2" if source == "train" else "R3"
 
 

@@ -21,8 +21,9 @@ recorded route (distinct ids), the native top-k elsewhere. The seam replaces
 verl's R3 here replays every recorded route of the micro-batch, prompt tokens included (there is
 no per-token R3 mask as in the Megatron engine): a token is valid for the budget when all its
 routes were recorded. Under R2 the update passes replay the routes verl's controller recorded in
-the old-log-prob pass the same way, through the same two methods, so the seam needs nothing more. Slot ``i`` of the route tensor belongs to the ``i``-th router to fire, so
-every decoder layer must be a MoE layer (verl's engine checks it after each forward;
+the old-log-prob pass the same way, through the same two methods, so the seam needs nothing more.
+Slot ``i`` of the route tensor belongs to the ``i``-th router to fire, so every decoder layer
+must be a MoE layer (verl's engine checks it after each forward;
 :mod:`..launch` refuses such a model before launch).
 
 Rank layout: FSDP2 shards parameters, not tokens: each data-parallel rank routes its own micro-
