@@ -26,9 +26,9 @@ from ablate.probes import Probe
 from ablate.replay.spec import ReplaySpec
 from ablate.seeding import STREAMS_VERSION
 from ablate.store import CellIdentity, sweep_directory
-from ablate.store.identity import NOT_IDENTITY, cell_id_of
+from ablate.store.identity import LATER_KEYS, NOT_IDENTITY, cell_id_of
 
-__all__ = ["NOT_IDENTITY", "Cell", "cell_id_of", "cell_name"]
+__all__ = ["LATER_KEYS", "NOT_IDENTITY", "Cell", "cell_id_of", "cell_name"]
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from ablate.outcomes import OUTCOME_NAMES, check_objective
 from ablate.policies import PolicyError, PolicySpec, available_policies, get_policy, load_plugins, policy_class
 from ablate.probes import check_probe_every, parse_probes, probe_table
 from ablate.questions import parse_question
-from ablate.replay.spec import ReplaySpec
+from ablate.replay.spec import ReplaySpec, VariantError
 from ablate.store import store_root
 
 __all__ = ["CellTemplate", "ConfigError", "cell_from_config", "replay_spec", "unknown_key", "variant_of"]
@@ -105,8 +105,8 @@ def build_cell(app: AppConfig, plain: dict[str, Any], plugins: tuple[str, ...], 
                                            fisher_normalize=choice_value(fisher.normalize), plugins=plugins))
     resolved = {**plain, "budget": replay.budget, "schema_version": SCHEMA_VERSION,
                 "probes": probe_table(replay.probes), "probe_every": replay.probe_every}
-    check_supported(app, resolved["probes"])
-    variant = variant_of(name, settings, policy_cfg.get("fisher", {}))
+    check_supported(app, resolved["probes"], replay)
+    variant = variant_of(name, settings, policy_cfg.get("fisher", {}), replay.variant())
     objective = app.objective
     multi = not isinstance(objective, str)
     cell = Cell(
@@ -304,12 +304,26 @@ def _probes(table: list[dict[str, Any]]) -> tuple[Any, ...]:
     return _parsed_probes(json.dumps(table, sort_keys=True)) if table else ()
 
 
-def check_supported(app: AppConfig, probes: list[dict[str, Any]]) -> None:
-    """What the cell asks of its backend (probes, a Fisher estimator) is what the backend declares."""
+def check_supported(app: AppConfig, probes: list[dict[str, Any]], replay: ReplaySpec) -> None:
+    """What the cell asks of its backend (probes, a Fisher estimator, a replay variant) is what the backend declares."""
     backend = get_backend(app.backend.name)
+    if replay.source not in backend.replay_sources:
+        raise ConfigError(f"replay.source={replay.source} with backend={backend.name}: expected "
+                          f"{' or '.join(backend.replay_sources)} (the sources of replayed routes it runs)")
+    if replay.weights == "rollout" and not backend.replays_gate_weights:
+        raise ConfigError(f"replay.weights=rollout with backend={backend.name}: its rollout hands over expert ids "
+                          "without their gate weights, so there are none to replay; use replay.weights=recompute")
+    if replay.policy_class.gates_slots and not backend.gates_slots:
+        raise ConfigError(f"policy={replay.policy.name} with backend={backend.name}: its gate needs the trainer's "
+                          f"router scores where each route is applied, which {backend.gate_refusal}; run it on a "
+                          "backend that gates replayed routes (backend=synthetic)")
     if probes and not backend.scores_probes:
         raise ConfigError(f"probes={[row['id'] for row in probes]} with backend={backend.name}: "
                           "expected no probes (this backend does not score them)")
+    gated = [row["id"] for row in probes if policy_class(row["policy"]).gates_slots]
+    if gated:
+        raise ConfigError(f"probes=[{','.join(gated)}]: a probe scores a mask, and {gated[0]} spends what its gate "
+                          "lets through in the MoE forward, which a probe's pass does not apply; run it as a cell")
     estimator = choice_value(app.policy.fisher.estimator)
     if estimator not in backend.fisher_estimators:
         raise ConfigError(f"policy.fisher.estimator={estimator}: expected {' or '.join(backend.fisher_estimators)} "
@@ -357,12 +371,14 @@ def _section_name(cfg: DictConfig, prefix: str) -> str:
     return prefix.rstrip(".") or "the config"
 
 
-def variant_of(policy: str, settings: dict[str, Any], fisher: dict[str, Any]) -> str:
+def variant_of(policy: str, settings: dict[str, Any], fisher: dict[str, Any],
+               replay: dict[str, str] | None = None) -> str:
     """The settings that differ from the policy's defaults, as ``k=v`` joined by commas.
 
     Cells of one policy with different settings (a temperature sweep, per-layer against global
     budgets) are different arms of an ablation; this names them. The Fisher estimate settings
-    count only for a policy that reads the estimate (``reads_fisher``).
+    count only for a policy that reads the estimate (``reads_fisher``). A replay variant
+    (``replay``: ``{"source": "train"}``) is an arm of the policy too: ``replay.source=train``.
     """
     cls = policy_class(policy)
     defaults = _keyword_defaults(cls)
@@ -370,6 +386,7 @@ def variant_of(policy: str, settings: dict[str, Any], fisher: dict[str, Any]) ->
     if cls.reads_fisher:
         base = _fisher_defaults()
         changed += [f"fisher.{k}={v}" for k, v in sorted(fisher.items()) if base.get(k) != v]
+    changed += [f"replay.{k}={v}" for k, v in sorted((replay or {}).items())]
     return ",".join(changed)
 
 
@@ -453,10 +470,13 @@ def replay_spec(plain: dict[str, Any], policy: PolicySpec) -> ReplaySpec:
     in canonical form (the same probes written either way are the same cell), or a one-line error."""
     table = plain.get("probes")
     probes = _probes(table) if isinstance(table, list) else parse_probes(table)
+    replay = plain.get("replay") or {}
     try:
         return ReplaySpec(policy, plain["budget"], int(plain["seed"]), probes,
-                          check_probe_every(plain.get("probe_every", 1)))
+                          check_probe_every(plain.get("probe_every", 1)), **replay)
     except BudgetError as error:
         raise ConfigError(f"{error} (from the config key budget)") from None
+    except VariantError as error:
+        raise ConfigError(str(error)) from None
 
 

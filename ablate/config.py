@@ -90,6 +90,20 @@ class Estimator(str, Enum):
     expert_params = "expert_params"
 
 
+class ReplaySource(str, Enum):
+    """Whose routes a replayed route takes: the rollout's (R3) or the trainer's own old-log-prob pass's (R2)."""
+
+    rollout = "rollout"
+    train = "train"
+
+
+class ReplayWeights(str, Enum):
+    """The gate weights of a replayed route: recomputed from the trainer's scores (R3), or the rollout's."""
+
+    recompute = "recompute"
+    rollout = "rollout"
+
+
 # "global" is a Python keyword, so this enum is built functionally: OmegaConf matches members by
 # name, and ``policy.fisher.normalize=global`` must work.
 Normalization = Enum("Normalization", {"none": "none", "layer": "layer", "global": "global"}, type=str)
@@ -137,6 +151,49 @@ class FisherPolicyConfig(BudgetedPolicyConfig):
     def check(self) -> None:
         super().check()
         require(is_temperature(self.tau), "policy.tau", self.tau, TEMPERATURE)
+
+
+#: The threshold policy's ``ratio``: a share of the trainer's weakest top-k score.
+GATE_RATIO = "a ratio in [0, 1] of the trainer's weakest top-k gate score (0: full replay; 1: none that differs)"
+
+
+def is_gate_ratio(value: Any) -> bool:
+    return is_number(value) and 0.0 <= value <= 1.0
+
+
+@dataclass
+class ThresholdPolicyConfig(PolicyConfig):
+    name: str = "threshold"
+    ratio: float = 0.5
+
+    def check(self) -> None:
+        super().check()
+        require(is_gate_ratio(self.ratio), "policy.ratio", self.ratio, GATE_RATIO)
+
+
+# --- replay -------------------------------------------------------------------------------
+
+
+@dataclass
+class ReplayConfig:
+    """How a replayed route is replayed (docs/policies.md, "Replay variants"); the policy says which routes.
+
+    Added after cells were first stored: a cell that leaves both at their defaults keeps the
+    identity it had before (:func:`ablate.cell.cell_id_of`).
+    """
+
+    KEY: ClassVar[str] = "replay"
+
+    #: ``rollout``: the routes the rollout recorded (R3); ``train``: the routes the trainer recorded
+    #: in its own old-log-prob pass, which routes natively (R2).
+    source: ReplaySource = ReplaySource.rollout
+    #: ``recompute``: gate weights from the trainer's router scores over the replayed experts (R3);
+    #: ``rollout``: the rollout's own gate weights, recorded with its expert ids.
+    weights: ReplayWeights = ReplayWeights.recompute
+
+    def check(self) -> None:
+        """The values are typed by their enums; what a policy cannot replay is checked with the policy, where
+        the cell's :class:`~ablate.replay.ReplaySpec` is built."""
 
 
 # --- backends -----------------------------------------------------------------------------
@@ -193,8 +250,8 @@ class TrackingConfig:
         require_positive(f"{k}.init_timeout", self.init_timeout)
 
 
-#: The largest cell seed: vLLM, SGLang and numpy's legacy seeding take 32-bit seeds, and the synthetic
-#: backend derives its streams' seeds from it (``seed * 7919 + k``) within torch's 64-bit range.
+#: The largest cell seed: vLLM, SGLang and numpy's legacy seeding take 32-bit seeds (a cell's streams
+#: derive their own seeds from it through :func:`ablate.seeding.stream_seed`).
 MAX_SEED = 2**31 - 1
 
 
@@ -228,6 +285,7 @@ class AnalysisConfig:
 class AppConfig:
     backend: BackendConfig = MISSING
     policy: PolicyConfig = MISSING
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
     #: Fraction of valid routes replayed; ``null`` for none/full, which have fixed budgets.
@@ -257,7 +315,7 @@ class AppConfig:
     cell_timeout: Optional[float] = None
 
     #: The sections, each with its own ``check()``.
-    SECTIONS: ClassVar[tuple[str, ...]] = ("backend", "policy", "tracking", "analysis")
+    SECTIONS: ClassVar[tuple[str, ...]] = ("backend", "policy", "replay", "tracking", "analysis")
 
     def check(self) -> None:
         """Every section and every top-level value. What needs more than the config itself is
@@ -300,6 +358,6 @@ def register_configs() -> None:
     store = ConfigStore.instance()
     for name, node in (
         ("base_config", AppConfig), ("base_policy", PolicyConfig), ("base_budgeted_policy", BudgetedPolicyConfig),
-        ("base_fisher", FisherPolicyConfig),
+        ("base_fisher", FisherPolicyConfig), ("base_threshold", ThresholdPolicyConfig),
     ):
         store.store(name=name, node=node)

@@ -5,7 +5,8 @@ sweeper, then hands the job overrides to :func:`plan_grid`, which makes the grid
 and resumable *before* any launcher sees it:
 
 - ``none`` and ``full`` have one budget by definition, so their cells drop the budget override
-  and collapse to one cell per seed, whichever launcher runs them.
+  and collapse to one cell per seed, whichever launcher runs them; ``none`` replays no route, so
+  its cells drop the replay variant's overrides too (``replay.source=rollout,train``).
 - Each job is composed and turned into a :class:`~ablate.cell.Cell`, so a bad value fails the
   whole sweep before the first cell starts, and each cell's identity is known.
 - Each cell is classified by the run store (:func:`ablate.store.inspect_cell`): complete cells
@@ -108,7 +109,8 @@ def seed_major(planned: Sequence[PlannedCell]) -> list[PlannedCell]:
 def _planned_cell(overrides: list[str], compose: Callable[[list[str]], DictConfig]) -> tuple[list[str], Cell]:
     """The job's cell, and its overrides with the budget dropped for a policy whose budget is fixed.
 
-    ``none`` and ``full`` have one budget by definition: a grid's budgets collapse to it.
+    ``none`` and ``full`` have one budget by definition: a grid's budgets collapse to it. A policy
+    that replays nothing (``none``) has no replay variant either: a grid's ``replay.*`` values collapse.
     """
     templates = getattr(compose, "template", None)
     found = templates(overrides) if templates is not None else None
@@ -118,12 +120,18 @@ def _planned_cell(overrides: list[str], compose: Callable[[list[str]], DictConfi
         if fixed is not None and values.get("budget") not in (None, fixed):
             overrides = _without_budget(overrides)
             values = {**values, "budget": None}
+        if fixed == 0 and _replay_keys(overrides):
+            overrides = _without_replay(overrides)
+            values = {key: value for key, value in values.items() if key.split(".")[0] != "replay"}
         return overrides, template.cell(values)
     cfg = compose(overrides)
     load_plugins(str(module) for module in cfg.get("plugins") or ())
     fixed = fixed_budget_of(cfg.policy.name)
     if fixed is not None and cfg.budget is not None and cfg.budget != fixed:
         overrides = _without_budget(overrides)
+        cfg = compose(overrides)
+    if fixed == 0 and _replay_keys(overrides):
+        overrides = _without_replay(overrides)
         cfg = compose(overrides)
     return overrides, cell_from_config(cfg)
 
@@ -132,9 +140,17 @@ def _without_budget(overrides: list[str]) -> list[str]:
     return [o for o in overrides if override_key(o) != "budget"] + ["budget=null"]
 
 
-#: Override keys a cell's name already carries (with its variant: the policy's own settings), or
-#: that never set an arm apart.
-NAMED_KEYS = ("policy", "budget", "seed", "trial", "store_dir", "sweep", "tracking")
+def _replay_keys(overrides: list[str]) -> bool:
+    return any(override_key(o).split(".")[0] == "replay" for o in overrides)
+
+
+def _without_replay(overrides: list[str]) -> list[str]:
+    return [o for o in overrides if override_key(o).split(".")[0] != "replay"]
+
+
+#: Override keys a cell's name already carries (with its variant: the policy's own settings and the
+#: replay variant), or that never set an arm apart.
+NAMED_KEYS = ("policy", "replay", "budget", "seed", "trial", "store_dir", "sweep", "tracking")
 
 
 def arm_labels(jobs: Sequence[Sequence[str]]) -> list[str]:

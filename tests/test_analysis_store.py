@@ -247,6 +247,21 @@ def test_mixed_schema_versions_warn_and_are_compared_only_within_a_version(tmp_p
         assert len(load_runs(sweep_dir, where={"schema_version": "1.1"})) == 4
 
 
+def test_a_version_that_only_adds_keys_is_compared_with_the_one_it_extends(tmp_path):
+    """A store of 1.2 cells resumed after the bump to 1.3 (which adds replay/replace_rate) is one sweep."""
+    sweep_dir = tmp_path / "resumed"
+    for seed in (0, 1):
+        write_cell(sweep_dir, "none", 0.0, seed, schema="1.2")
+        write_cell(sweep_dir, "random", 0.5, seed, schema="1.3")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        df = load_runs(sweep_dir)
+    from ablate.analysis.tables import arm_keys, effects
+
+    assert arm_keys(df) == [] and sorted(df["schema_version"]) == ["1.2", "1.2", "1.3", "1.3"]
+    assert effects(df, reps=50)["n_seeds"].tolist() == [2]  # random(0.5) - none, paired across the versions
+
+
 def test_cli_errors_are_one_line_from_a_real_process(tmp_path):
     for argv, expected in (
         (["nosuch", "--store", str(tmp_path)], "ablate-analyze: nosuch: no such sweep directory"),

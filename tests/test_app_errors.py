@@ -102,7 +102,7 @@ ANALYSIS_MISTAKES = {
                 "outcome (did you mean kl_k3_mean?); expected outcomes among final_reward, reward_auc"),
     "primary": ("primary: ['selection:fishr:random@pooled', replay]", "analysis.primary "
                 "'selection:fishr:random@pooled': POLICY 'fishr' is not a policy (did you mean fisher?); expected one "
-                "of fisher, full, mismatch, none, random, uniform"),
+                "of fisher, full, mismatch, none, random, threshold, uniform"),
     "margin": ("margins: {final_rewards: 0.05}", "analysis.margins.final_rewards=0.05: 'final_rewards' is not an "
                "outcome (did you mean final_reward?); expected outcomes among final_reward, reward_auc"),
 }

@@ -200,13 +200,19 @@ def test_progress_lines_give_elapsed_time_rate_and_eta():
 
 
 def sweep_jobs(sweep: str):
-    """Hydra's loader, the sweep file's master config and every job of its grid, as the sweeper expands them."""
+    """Hydra's loader, the sweep file's master config and every job of its grids, as the sweeper expands them."""
     loader = ConfigLoaderImpl(config_search_path=create_config_search_path("pkg://ablate.conf"))
     master = loader.load_configuration("config", overrides=[f"sweeps={sweep}"], run_mode=RunMode.MULTIRUN)
     params = {str(k): str(v) for k, v in master.hydra.sweeper.params.items()}
     parser = OverridesParser.create(config_loader=loader)
-    axes = {k: [str(v) for v in parser.parse_override(f"{k}={v}").sweep_string_iterator()] for k, v in params.items()}
-    return loader, master, [[f"sweeps={sweep}", *job, "store_dir=/store"] for job in grid(**axes)]
+    jobs = []
+    for extra in master.hydra.sweeper.get("grids") or [{}]:
+        merged = {**params, **{str(k): str(v) for k, v in extra.items()}}
+        parsed = {k: parser.parse_override(f"{k}={v}") for k, v in merged.items()}
+        axes = {k: [str(v) for v in o.sweep_string_iterator()] if o.is_sweep_override() else [merged[k]]
+                for k, o in parsed.items()}
+        jobs += [[f"sweeps={sweep}", *job, "store_dir=/store"] for job in grid(**axes)]
+    return loader, master, jobs
 
 
 @pytest.mark.parametrize("sweep", ["budget_selection", "fisher_estimator"])
@@ -222,7 +228,7 @@ def test_the_job_composer_gives_what_hydra_composes(sweep):
         assert OmegaConf.to_container(fast(job)) == OmegaConf.to_container(expected), job
 
 
-@pytest.mark.parametrize("sweep", ["budget_selection", "fisher_estimator", "per_layer", "probes"])
+@pytest.mark.parametrize("sweep", ["budget_selection", "fisher_estimator", "per_layer", "probes", "variants"])
 def test_a_cell_planned_from_its_template_is_the_cell_of_its_composed_config(sweep):
     """The sweeper plans most jobs without composing them (CellTemplate): the cells must be the same."""
     from ablate.compose import cell_from_config

@@ -39,7 +39,8 @@ computed from the per-step records.
 Cells of different diagnostics schema versions in one sweep are not comparable key by key: a
 :class:`MixedSchemaWarning` names the versions and their counts, and ``schema_version`` becomes
 an arm key, so cells are compared only within one version (``where={"schema_version": "1.0"}``
-keeps one).
+keeps one). A version whose records only add keys to an earlier one's
+(:data:`ablate.diagnostics.schema.EXTENDS`) counts as that one.
 
 Only complete cells are kept, and the store decides which those are: the loader reads every
 cell through :mod:`ablate.store` (:func:`~ablate.store.inspect_cell`, :func:`~ablate.store.read_identity`,
@@ -76,6 +77,7 @@ from ablate.analysis.declared import declared_analysis
 from ablate.analysis.sources import CELL, CorruptCellError, Loaded, LoadedCell
 from ablate.analysis.sources.store import read_store
 from ablate.analysis.varied import MISSING, varied_config_keys, varied_policy_settings
+from ablate.diagnostics.schema import comparable_version
 from ablate.outcomes import OUTCOME_NAMES, cell_outcomes
 
 __all__ = ["CorruptCellError", "ExcludedCellsWarning", "MixedSchemaWarning", "SweepFrames", "load_runs", "parse_where",
@@ -338,6 +340,8 @@ def _report_schema_versions(cells: list[LoadedCell], where: str) -> None:
             f"{where}: cells of seed schemes {counts} are mixed: a seed draws other data under each, so they are "
             f"paired only within one scheme (streams is part of the arm); keep the newest with where streams="
             f"{max(schemes)}, or rerun the older cells", MixedSchemaWarning, stacklevel=_CALLER)
+    if len({comparable_version(cell.meta.get("schema_version")) for cell in cells}) < 2:
+        return  # versions whose records only add keys to each other's are compared as one
     versions = Counter(str(cell.meta.get("schema_version")) for cell in cells)
     if len(versions) < 2:
         return

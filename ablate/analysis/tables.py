@@ -42,6 +42,7 @@ from ablate.analysis.settings import AnalysisSettings
 from ablate.analysis.signflip import t_interval
 from ablate.analysis.stats import bootstrap_ci, iqm
 from ablate.arms import arm_policy
+from ablate.diagnostics.schema import comparable_version
 from ablate.policies import fixed_budget_policies
 from ablate.policies.roles import (
     BUDGET_CONTROL,
@@ -77,8 +78,12 @@ def arm_keys(df: pd.DataFrame, by: Sequence[str] | None = None) -> list[str]:
             varied = df.attrs.get("config_keys", [])
             raise KeyError(f"by={list(by)}: no column {missing}; config keys that vary here: {varied or 'none'}")
         return [key for key in by if key not in ("policy", "budget", "seed")]
-    candidates = [*df.attrs.get("config_keys", []), "schema_version", "streams"]
-    return [key for key in dict.fromkeys(candidates) if key in df.columns and df[key].nunique(dropna=False) > 1]
+    keys = [key for key in df.attrs.get("config_keys", []) if key in df.columns and df[key].nunique(dropna=False) > 1]
+    if "schema_version" in df.columns and df["schema_version"].map(comparable_version).nunique(dropna=False) > 1:
+        keys.append("schema_version")  # versions whose records only add keys to each other's are one
+    if "streams" in df.columns and df["streams"].nunique(dropna=False) > 1:
+        keys.append("streams")  # a seed draws other data under each seed scheme
+    return list(dict.fromkeys(keys))
 
 
 def contexts(df: pd.DataFrame, keys: Sequence[str]) -> list[tuple[dict[str, Any], pd.DataFrame]]:
@@ -318,7 +323,7 @@ def effect_table(rows: list[dict[str, Any]], keys: Sequence[str], settings: RowS
 
 def _paired_row(settings: RowSettings, prefix: dict[str, Any], kind: str, policy: str, baseline: str,
                 budget: float | None, arms: Arms) -> dict[str, Any]:
-    treated, control = arm_seeds(arms, policy, budget), arm_seeds(arms, baseline, budget)
+    treated, control = arm_seeds(arms, policy, budget), _control_seeds(arms, baseline, budget)
     shared = sorted(treated.keys() & control.keys(), key=str)
     unpaired = len(treated) + len(control) - 2 * len(shared)
     notes = [f"{unpaired} unpaired seed value(s) dropped"] if unpaired else []
@@ -407,9 +412,29 @@ def _effect_pairs(
         elif baseline in FIXED_BUDGET_POLICIES:
             kind, shared = "budget", budgets[policy]
         else:
-            kind, shared = "selection", sorted(set(budgets[policy]) & set(budgets[baseline]))
+            kind, shared = "selection", sorted(set(budgets[policy]) & _control_budgets(baseline, budgets, present))
         pairs.extend((kind, policy, baseline, b) for b in shared)
     return pairs
+
+
+def _control_budgets(baseline: str, budgets: Mapping[str, list[float]], present: set[str]) -> set[float]:
+    """The budgets ``baseline`` was run at; ``random`` at 0 and at 1 is ``none`` and ``full`` by definition.
+
+    So a variant of ``full`` (its routes replayed otherwise, or gated) meets ``random`` at budget 1.
+    """
+    shared = set(budgets[baseline])
+    if baseline == CURVE_POLICY:
+        shared |= {budget for policy, budget in FIXED_BUDGET_POLICIES.items() if policy in present}
+    return shared
+
+
+def _control_seeds(arms: Arms, baseline: str, budget: float | None) -> dict[Hashable, float]:
+    """The baseline's values at ``budget`` (:func:`arm_seeds`); ``random`` at 0 and 1 is ``none`` and ``full``."""
+    found = arm_seeds(arms, baseline, budget)
+    if found or baseline != CURVE_POLICY or budget is None:
+        return found
+    same = next((policy for policy, fixed in FIXED_BUDGET_POLICIES.items() if fixed == float(budget)), None)
+    return arm_seeds(arms, same, None) if same is not None else found
 
 
 def arm_values(df: pd.DataFrame, outcome: str) -> Arms:

@@ -2,13 +2,16 @@
 
 An arm is the policy (with its non-default settings), the budget and every config key that varies
 in the sweep, except the keys that say where or how a cell ran, the grid's own axes, and policy
-settings that the arm's name already carries (docs/analysis.md, "Arms").
+settings and replay variants that the arm's name already carries (docs/analysis.md, "Arms"). A
+cell stored before a key existed has that key's default (:data:`ablate.cell.LATER_KEYS`).
 """
 
 from __future__ import annotations
 
 import json
 from typing import Any, Protocol, Sequence
+
+from ablate.cell import LATER_KEYS
 
 #: Config keys (and the sub-trees under them) that never make an arm: where and how a cell ran,
 #: and the grid's own axes, which are columns of their own.
@@ -39,8 +42,8 @@ def varied_config_keys(cells: Sequence[ConfiguredCell]) -> tuple[list[str], dict
         column = _column(cells, key)
         if len(set(column)) < 2:
             continue
-        if key.startswith("policy.") and _fixed_within_policy_arms(cells, column):
-            continue  # the arm name (fisher[tau=1.0]) already tells these cells apart
+        if key.split(".")[0] in ("policy", "replay") and _fixed_within_policy_arms(cells, column):
+            continue  # the arm name (fisher[tau=1.0], full[replay.source=train]) already tells these cells apart
         values[key] = column
     varied: list[str] = []
     determined: dict[str, str] = {}
@@ -72,7 +75,7 @@ def _all_keys(cells: Sequence[ConfiguredCell]) -> set[str]:
 
 
 def _column(cells: Sequence[ConfiguredCell], key: str) -> list[Any]:
-    column = [cell.config.get(key, MISSING) for cell in cells]
+    column = [cell.config.get(key, LATER_KEYS.get(key, MISSING)) for cell in cells]
     if any(isinstance(value, (list, dict)) for value in column):
         return [hashable(value) for value in column]
     return column

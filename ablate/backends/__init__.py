@@ -69,6 +69,15 @@ class Backend(Generic[C]):
     scores_probes: bool = False
     #: The Fisher estimators (``policy.fisher.estimator``) it measures.
     fisher_estimators: tuple[str, ...] = tuple(estimator.value for estimator in Estimator)
+    #: The ``replay.source`` values it runs: ``rollout`` (R3), ``train`` (R2).
+    replay_sources: tuple[str, ...] = ("rollout",)
+    #: Whether it replays the rollout's gate weights (``replay.weights=rollout``).
+    replays_gate_weights: bool = False
+    #: Whether it applies a policy's slot gate where it applies the mask (``ReplayPolicy.gates_slots``).
+    gates_slots: bool = False
+    #: Why it does not, in words that finish "its gate needs the trainer's router scores where each
+    #: route is applied, which ...".
+    gate_refusal: str = "this backend does not see"
 
     def config_of(self, cell: Cell) -> C:
         """The cell's backend settings, as this backend's own config class."""

@@ -101,10 +101,22 @@ def chance_reward(cfg: SyntheticConfig) -> float:
 
 @dataclass
 class Replay:
-    """Routes to replay in one forward: ``routes [tokens, layers, k]`` where ``mask [tokens, layers]``."""
+    """Routes to replay in one forward: ``routes [tokens, layers, k]`` where ``mask [tokens, layers]``.
+
+    ``weights`` ``[tokens, layers, k]``: gate weights to use with the replayed routes instead of
+    recomputing them (``replay.weights=rollout``). ``gate``: a policy's slot gate
+    (:meth:`ablate.policies.ThresholdReplay.gate`), applied with the trainer's router scores.
+    """
 
     routes: Tensor
     mask: Tensor
+    weights: Tensor | None = None
+    gate: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]] | None = None
+
+    def rows(self, tokens: slice) -> Replay:
+        """The replay of a block of tokens (one mini-batch's)."""
+        return Replay(self.routes[tokens], self.mask[tokens], None if self.weights is None else self.weights[tokens],
+                      self.gate)
 
 
 class FisherProbe:
@@ -152,7 +164,7 @@ class MoE(nn.Module):
 
     def forward(
         self, x: Tensor, layer: int, replay: Replay | None, noise: Tensor | None, probe: FisherProbe | None,
-        margins: list[Tensor] | None = None,
+        margins: list[Tensor] | None = None, gate_weights: list[Tensor] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         logits = self.router(x) / self.temperature
         if noise is not None:
@@ -160,11 +172,23 @@ class MoE(nn.Module):
         native = logits.topk(self.topk, dim=-1).indices
         if margins is not None:
             margins.append(native_margin(logits.detach(), native))
-        chosen = native if replay is None else torch.where(replay.mask[:, layer, None], replay.routes[:, layer], native)
+        if replay is None:
+            chosen = native
+        else:
+            replayed = replay.routes[:, layer]
+            if replay.gate is not None:  # the trainer's scores keep or hand back each replayed expert
+                replayed = replay.gate(logits.detach().softmax(-1), replayed, native)[0]
+            chosen = torch.where(replay.mask[:, layer, None], replayed, native)
         if probe is not None and probe.estimator == "router_logits":
             logits = probe.logits.watch(layer, logits)
         # R3 gates: the router's softmax renormalised over the chosen expert set.
         gates = logits.gather(-1, chosen).softmax(-1)
+        if replay is not None and replay.weights is not None:
+            # The rollout's own weights where a route is replayed: constants, so the router gets no
+            # gradient through those routes, only through the ones it routes natively.
+            gates = torch.where(replay.mask[:, layer, None], replay.weights[:, layer], gates)
+        if gate_weights is not None:
+            gate_weights.append(gates.detach())
         # Sort the (token, expert) pairs by expert: one grouped matmul per weight computes every
         # expert on exactly its tokens.
         expert = chosen.reshape(-1)
@@ -221,20 +245,22 @@ class MoEPolicy(nn.Module):
     def forward(
         self, tokens: Tensor, replay: Replay | None = None, noise: Tensor | None = None,
         cache: list[tuple[Tensor, Tensor]] | None = None, probe: FisherProbe | None = None,
-        margins: list[Tensor] | None = None,
+        margins: list[Tensor] | None = None, gate_weights: list[Tensor] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Logits ``[B, S, V]``, routes used and native routes, both ``[B * S, layers, k]``.
 
         ``noise`` ``[B, S, layers, experts]`` is added to the router logits; with a ``cache``
         the tokens continue the cached positions. ``margins``, when given, receives each layer's
-        ``[B * S]`` native margin (:func:`ablate.routes.native_margin`), in layer order.
+        ``[B * S]`` native margin (:func:`ablate.routes.native_margin`), in layer order;
+        ``gate_weights`` each layer's ``[B * S, k]`` gate weights of the routes used.
         """
         start = cache[0][0].shape[2] if cache else 0
         x = self.embed(tokens) + self.position[start : start + tokens.shape[1]]
         used, native = [], []
         for layer, block in enumerate(self.blocks):
             layer_noise = None if noise is None else noise[:, :, layer].reshape(-1, noise.shape[-1])
-            x, chosen, own = block(x, layer, cache, replay=replay, noise=layer_noise, probe=probe, margins=margins)
+            x, chosen, own = block(x, layer, cache, replay=replay, noise=layer_noise, probe=probe, margins=margins,
+                                   gate_weights=gate_weights)
             used.append(chosen)
             native.append(own)
         return self.head(self.norm(x)), torch.stack(used, 1), torch.stack(native, 1)
@@ -259,6 +285,7 @@ class Rollout:
     log_probs: Tensor  # [B, R]: of each sampled token, in the engine's numerics
     routes: Tensor  # [B, P + R - 1, layers, k]: of every position fed to the engine
     router_noise: Tensor  # [B, P + R - 1, layers, experts]: what the engine added to its router logits
+    gate_weights: Tensor | None = None  # [B, P + R - 1, layers, k]: the engine's weights of its routes, if recorded
 
 
 class RolloutEngine:
@@ -301,23 +328,32 @@ class RolloutEngine:
             weight.copy_(weight.to(self.dtype))
 
     @torch.no_grad()
-    def generate(self, prompts: Tensor, length: int, sampler: torch.Generator) -> Rollout:
-        """Sample ``length`` tokens after ``prompts``: a prefill, then one cached step per token."""
+    def generate(self, prompts: Tensor, length: int, sampler: torch.Generator, *,
+                 record_weights: bool = False) -> Rollout:
+        """Sample ``length`` tokens after ``prompts``: a prefill, then one cached step per token.
+
+        ``record_weights``: record the gate weights of every route with its expert ids.
+        """
         batch, prompt_len = prompts.shape
         fed = prompt_len + length - 1  # the last sampled token is never fed back
         shape = (batch, fed, len(self.model.blocks), self.model.blocks[0].moe.w_in.shape[0])
         noise = self.router_noise * torch.randn(shape, generator=self.generator)
         cache: list[tuple[Tensor, Tensor]] = []
-        sequences, fresh, logps, routes = prompts, prompts, [], []
+        sequences, fresh, logps, routes, weights = prompts, prompts, [], [], []
         for _ in range(length):
             start, width = sequences.shape[1] - fresh.shape[1], fresh.shape[1]
-            logits, used, _ = self.model(fresh, noise=noise[:, start : start + width], cache=cache)
+            layer_weights: list[Tensor] | None = [] if record_weights else None
+            logits, used, _ = self.model(fresh, noise=noise[:, start : start + width], cache=cache,
+                                         gate_weights=layer_weights)
             routes.append(used.view(batch, width, *used.shape[1:]))
+            if layer_weights is not None:
+                weights.append(torch.stack(layer_weights, 1).view(batch, width, *used.shape[1:]))
             log_probs = logits[:, -1].log_softmax(-1)
             fresh = torch.multinomial(log_probs.exp(), 1, generator=sampler)
             logps.append(log_probs.gather(-1, fresh))
             sequences = torch.cat([sequences, fresh], dim=1)
-        return Rollout(sequences, torch.cat(logps, 1), torch.cat(routes, 1), noise)
+        return Rollout(sequences, torch.cat(logps, 1), torch.cat(routes, 1), noise,
+                       torch.cat(weights, 1) if record_weights else None)
 
 
 # --- verl's PPO step ---------------------------------------------------------------------
@@ -429,6 +465,38 @@ def score_probes(
                                                              extreme_threshold=extreme_threshold))
 
 
+@dataclass(frozen=True)
+class Variant:
+    """How the cell replays a route (docs/policies.md, "Replay variants"); the policy says which routes.
+
+    ``train_routes``: R2, the trainer's own routes of the old-log-prob pass (which routes natively)
+    instead of the rollout's. ``rollout_weights``: the rollout's gate weights with its ids instead
+    of weights recomputed from the trainer's scores. ``gate``: the policy's slot gate (``threshold``).
+    """
+
+    train_routes: bool = False
+    rollout_weights: bool = False
+    gate: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]] | None = None
+
+    @classmethod
+    def of(cls, cell: Cell, session: ReplaySession) -> Variant:
+        policy = session.policy
+        return cls(cell.replay.source == "train", cell.replay.weights == "rollout",
+                   policy.gate if policy.gates_slots else None)  # type: ignore[attr-defined]
+
+    def count(self, session: ReplaySession, routes: Routes, mask: Tensor, used: Tensor) -> None:
+        """The old-log-prob pass's route counts. R3 replays the rollout's routes as they are; R2 replays
+        the routes this pass used itself, and a gate changes some of the rollout's: both count ``used``."""
+        if self.train_routes:
+            session.count(routes, mask, used=used)
+        elif self.gate is not None:
+            replayed = mask & routes.valid[:, None]
+            kept = (routes.rollout[..., :, None] == used[..., None, :]).any(-1).sum(-1)
+            session.count(routes, mask, used=used, replaced_slots=float((routes.topk - kept)[replayed].sum()))
+        else:
+            session.count(routes, mask)
+
+
 def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]) -> MoEPolicy:
     """Train one cell for ``cfg.steps`` steps, calling ``log_step(step, record)`` after each.
 
@@ -459,32 +527,44 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
     response = slice(prompt_len - 1, seq_len)  # positions whose next token is a response token
     needs_native = session.needs_native
     estimator = choice_value(cell.fisher.estimator)
+    variant = Variant.of(cell, session)
 
     for step in range(cfg.steps):
         batch = sample_prompts(cfg, streams["prompts"])
-        rollout = engine.generate(batch.prompts, response_len, streams["sampling"])
+        rollout = engine.generate(batch.prompts, response_len, streams["sampling"],
+                                  record_weights=variant.rollout_weights)
         shifted = task_shifted(cfg, step)
         rewards = reward(cfg, batch, rollout.sequences[:, prompt_len:], shifted)
         grouped = rewards.view(cfg.prompts_per_step, cfg.group_size)
         advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(-1, 1)
         inputs, targets = rollout.sequences[:, :-1], rollout.sequences[:, 1:]
         flat_rollout = rollout.routes.reshape(batch_size * seq_len, cfg.layers, cfg.topk)
+        flat_weights = None if rollout.gate_weights is None else rollout.gate_weights.reshape(flat_rollout.shape)
 
         # The old-log-prob pass, in training numerics, replays the mask (verl's R3 does), so
         # every policy takes its ratio against the same kind of reference. `mismatch` chooses
         # its mask from native routes: it pays one native pass first (as the verl backend does),
-        # or, with mismatch_native_old_pass, takes its ratio against that native pass.
+        # or, with mismatch_native_old_pass, takes its ratio against that native pass. R2 instead
+        # routes natively here and records the trainer's own routes, which the updates replay.
         with torch.no_grad():
             margins: list[Tensor] = []
-            native_pass = model(inputs, margins=margins) if needs_native else None
-            routes = Routes(rollout=flat_rollout, valid=valid, num_experts=cfg.experts, offsets=offsets,
-                            native=None if native_pass is None else native_pass[2],
-                            native_margin=torch.stack(margins, 1) if margins else None)
+            if variant.train_routes:
+                replayed_logits, used, native_in_replay = model(inputs, margins=margins)
+                native_pass, source = None, native_in_replay
+            else:
+                native_pass = model(inputs, margins=margins) if needs_native else None
+                source = flat_rollout
+            native = native_in_replay if variant.train_routes else None if native_pass is None else native_pass[2]
+            routes = Routes(rollout=source, valid=valid, num_experts=cfg.experts, offsets=offsets,
+                            native=native if needs_native else None,
+                            native_margin=torch.stack(margins, 1) if margins and needs_native else None)
             mask = session.select(routes)
-            replayed_logits, _, native_in_replay = model(inputs, replay=Replay(flat_rollout, mask))
+            replay = Replay(source, mask, flat_weights, variant.gate)
+            if not variant.train_routes:
+                replayed_logits, used, native_in_replay = model(inputs, replay=replay)
             # What the mask changed, against the native routes of the pass that replayed it.
             diagnostics_routes = Routes(rollout=flat_rollout, valid=valid, num_experts=cfg.experts, native=native_in_replay)
-            session.count(diagnostics_routes, mask)
+            variant.count(session, diagnostics_routes, mask, used)
             logp_replayed = token_log_probs(replayed_logits, targets)[:, response]
             logp_old = logp_replayed
             if native_pass is not None and cfg.mismatch_native_old_pass:
@@ -494,7 +574,7 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
         if session.probed:
             score_probes(session, model, StepBatch(inputs, targets, response, flat_rollout, valid, offsets,
                                                    rollout.log_probs),
-                         None if native_pass is None else native_pass[2], num_experts=cfg.experts,
+                         native, num_experts=cfg.experts,
                          extreme_threshold=cfg.extreme_threshold)
 
         correction: dict[str, float] = {"train/is_weight_mean": math.nan, "train/is_truncated_frac": math.nan}
@@ -514,7 +594,7 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
         for rows in updates:
             tokens = slice(rows.start * seq_len, rows.stop * seq_len)
             probe = FisherProbe(estimator, cfg.experts)
-            logits, _, _ = model(inputs[rows], replay=Replay(flat_rollout[tokens], mask[tokens]), probe=probe)
+            logits, _, _ = model(inputs[rows], replay=replay.rows(tokens), probe=probe)
             loss, clip_frac, clip_frac_lower = ppo_loss(
                 token_log_probs(logits, targets[rows])[:, response], reference[rows], advantages[rows],
                 None if weights is None else weights[rows], cfg.clip_ratio, cfg.clip_ratio_c,
@@ -531,7 +611,8 @@ def run_cell_steps(cell: Cell, log_step: Callable[[int, dict[str, float]], None]
         engine.sync(history[0])
 
         with torch.no_grad():
-            record.update(load_metrics(expert_load(diagnostics_routes, mask)))
+            record.update(load_metrics(expert_load(Routes(rollout=used, valid=valid, num_experts=cfg.experts,
+                                                          ids_checked=True))))
             record.update(mismatch_metrics(
                 logp_replayed, rollout.log_probs, torch.ones_like(logp_replayed, dtype=torch.bool),
                 extreme_threshold=cfg.extreme_threshold,

@@ -129,4 +129,4 @@ class SyntheticConfig(BackendConfig):
 
 
 BACKEND = Backend(name="synthetic", config=SyntheticConfig, run=deferred("ablate.backends.synthetic:run"),
-                  scores_probes=True)
+                  scores_probes=True, replay_sources=("rollout", "train"), replays_gate_weights=True, gates_slots=True)

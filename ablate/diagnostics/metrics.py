@@ -36,17 +36,24 @@ ROUTE_COUNTS = (
 )
 
 
-def route_counts(routes: Routes, mask: Tensor, *, fisher_scores: Tensor | None = None) -> dict[str, float]:
+def route_counts(routes: Routes, mask: Tensor, *, fisher_scores: Tensor | None = None,
+                 used: Tensor | None = None) -> dict[str, float]:
     """The :data:`ROUTE_COUNTS` of one batch and replay mask ``[tokens, layers]``.
 
     ``fisher_mass`` and ``fisher_total`` are the Fisher route scores (``sum_{e in route} F[l, e]``)
     of the replayed and of all valid routes; 0 without ``fisher_scores``.
+
+    ``used`` ``[tokens, layers, topk]`` are the experts the forward used where a replayed route is
+    not simply the rollout's (a replay variant, docs/policies.md): the trainer's own recorded
+    routes (R2) or the routes a score gate left (``threshold``). Then a replayed route is
+    *overridden* where ``used`` differs from the native route, a mismatched route counts as
+    replayed (restored) only where ``used`` is the rollout's, and the Fisher mass is that of ``used``.
     """
-    return dict(zip(ROUTE_COUNTS, route_count_tensor(routes, mask, fisher_scores=fisher_scores).tolist()))
+    return dict(zip(ROUTE_COUNTS, route_count_tensor(routes, mask, fisher_scores=fisher_scores, used=used).tolist()))
 
 
 def route_count_tensor(routes: Routes, mask: Tensor, *, fisher_scores: Tensor | None = None,
-                       observed: Tensor | None = None) -> Tensor:
+                       observed: Tensor | None = None, used: Tensor | None = None) -> Tensor:
     """:func:`route_counts` as a float64 ``[len(ROUTE_COUNTS)]`` tensor on the routes' device, read nowhere.
 
     A caller that adds up many batches (the replay hook, every micro-batch of a step) keeps the sum
@@ -70,11 +77,14 @@ def route_count_tensor(routes: Routes, mask: Tensor, *, fisher_scores: Tensor | 
         valid_tokens = valid_routes / routes.num_layers
         compared = {"compared_routes": valid_routes, "compared_tokens": valid_tokens, "compared_replayed": replayed,
                     **_mismatch_counts(routes, mask, differences, every_token, valid_routes)}
+        if used is not None:
+            compared.update(_applied_counts(routes, mask, used))
         if observed is not None:
             compared = {key: value * observed for key, value in compared.items()}
         counts.update(compared)
     if fisher_scores is not None:
-        score = route_scores(fisher_scores, routes)  # 0 on invalid tokens; read-only (kept on routes)
+        scored = routes if used is None else Routes(used, routes.valid, routes.num_experts, ids_checked=True)
+        score = route_scores(fisher_scores, scored)  # 0 on invalid tokens; read-only (kept on routes)
         counts["fisher_total"] = score.sum(dtype=torch.float64)
         counts["fisher_mass"] = torch.where(mask, score, 0.0).sum(dtype=torch.float64)
     return torch.stack([counts[key] for key in ROUTE_COUNTS])
@@ -108,6 +118,19 @@ def _mismatch_counts(routes: Routes, mask: Tensor, differences: RouteDifferences
     }
 
 
+def _applied_counts(routes: Routes, mask: Tensor, used: Tensor) -> dict[str, Tensor]:
+    """What replay changed where the routes used are not the rollout's: overridden and restored routes."""
+    assert routes.native is not None
+    used = used.sort(-1).values
+    changed = (used != routes.native.sort(-1).values).any(-1) & mask
+    rollout = routes.rollout.sort(-1).values
+    mismatched = (rollout != routes.native.sort(-1).values).any(-1)
+    restored = mismatched & mask & (used == rollout).all(-1)
+    valid = routes.valid[:, None]
+    return {"overridden_routes": (changed & valid).sum(dtype=torch.float64),
+            "mismatched_replayed": (restored & valid).sum(dtype=torch.float64)}
+
+
 def metrics_from_counts(
     counts: dict[str, float],
     budget: float,
@@ -115,6 +138,7 @@ def metrics_from_counts(
     *,
     fisher_fallback: bool = False,
     fisher_nonfinite: int | None = None,
+    replaced_slots: float = 0.0,
 ) -> dict[str, float]:
     """Every ``replay/`` and ``routing/`` key from (summed) :data:`ROUTE_COUNTS`.
 
@@ -122,6 +146,8 @@ def metrics_from_counts(
     - ``replay/effective_budget``: overridden / valid routes with native routes known, the share
       of valid routes that replay actually changed (``budget_realized x override_rate``; 0 when
       nothing is replayed). NaN without native routes.
+    - ``replay/replace_rate``: ``replaced_slots`` (replayed experts a score gate handed back) / the
+      replayed routes' ``topk`` slots; NaN when nothing is replayed.
     - ``replay/fisher_mass``: Fisher score of the replayed routes / of all valid routes.
     - ``replay/fisher_nonfinite``: the Fisher tracker's skipped non-finite contributions
       (:attr:`ablate.FisherTracker.nonfinite_last_step`); NaN when no tracker is given.
@@ -137,6 +163,7 @@ def metrics_from_counts(
         "replay/unrecorded_routes": float(c["unrecorded_routes"]),
         "replay/override_rate": _ratio(c["overridden_routes"], c["compared_replayed"]),
         "replay/effective_budget": _ratio(c["overridden_routes"], compared),
+        "replay/replace_rate": _ratio(replaced_slots, c["replayed_routes"] * topk),
         "replay/fisher_mass": _ratio(c["fisher_mass"], c["fisher_total"]),
         "replay/fisher_fallback": float(bool(fisher_fallback)),
         "replay/fisher_nonfinite": NAN if fisher_nonfinite is None else float(fisher_nonfinite),

@@ -20,8 +20,21 @@ from typing import Any, Literal, Mapping
 #: of the synthetic backend's PPO step (clip_frac_lower, reward_chance, task_shifted, is_weight_mean, is_truncated_frac).
 #: 1.2 adds the probe families ``probe/<probe id>/<key>`` (docs/probes.md): per counterfactual probe,
 #: the ``mismatch/`` keys and replay/budget_realized, override_rate, effective_budget of its mask.
-SCHEMA_VERSION = "1.2"
+#: 1.3 adds replay/replace_rate (the share of replayed expert slots a gate handed back: policy=threshold)
+#: for the replay variants (docs/policies.md); every 1.2 key keeps its meaning.
+SCHEMA_VERSION = "1.3"
 JSON_SCHEMA_PATH = Path(__file__).with_name("schema.json")
+#: Each version whose records only add keys to an earlier version's, with that version: cells of the
+#: two are compared as one (:func:`comparable_version`), so a store resumed after the bump stays one sweep.
+EXTENDS: dict[str, str] = {"1.3": "1.2"}
+
+
+def comparable_version(version: str | None) -> str | None:
+    """The earliest version whose records ``version``'s only add keys to (itself if none): what cells compare by."""
+    while version in EXTENDS:
+        version = EXTENDS[version]
+    return version
+
 
 Kind = Literal["fraction", "count", "nonnegative", "real", "flag"]
 _RANGES: dict[str, tuple[float, float]] = {
@@ -68,6 +81,9 @@ _KEYS = [
     Key("replay/effective_budget", "fraction", "fraction of valid routes",
         "replayed routes whose rollout route differs from the native route: the routes replay changed "
         "(budget_realized x override_rate)", True),
+    Key("replay/replace_rate", "fraction", "fraction of replayed expert slots",
+        "replayed experts the trainer's score gate handed back to its own top-k (policy=threshold; 0 without a "
+        "gate)", True),
     Key("replay/fisher_mass", "fraction", "fraction of Fisher score",
         "share of the total Fisher route score of valid routes that the mask covers", True),
     Key("replay/fisher_fallback", "flag", "0/1",

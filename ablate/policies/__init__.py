@@ -1,4 +1,4 @@
-"""Replay policies: one interface, a registry (fed by entry points), and the six built-in selections."""
+"""Replay policies: one interface, a registry (fed by entry points), six built-in selections, prime-rl's score gate."""
 
 from ablate.policies.base import (
     ENTRY_POINT_GROUP,
@@ -26,6 +26,7 @@ from ablate.policies.builtin import (
     UniformReplay,
 )
 from ablate.policies.selection import Draws
+from ablate.policies.threshold import ThresholdReplay
 from ablate.policies.spec import PolicySpec
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "PolicySpec",
     "RandomReplay",
     "ReplayPolicy",
+    "ThresholdReplay",
     "UniformReplay",
     "available_policies",
     "fixed_budget_of",

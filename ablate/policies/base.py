@@ -58,6 +58,11 @@ class ReplayPolicy(ABC):
       None when the cell's budget decides.
     - :attr:`needs_native_routes`: the policy selects from ``Routes.native`` (and
       ``Routes.native_margin``), which a backend records in a pass that replays nothing.
+    - :attr:`gates_slots`: the policy's mask offers routes, and a gate where the mask is applied
+      keeps or hands back each replayed expert by the trainer's router scores: the policy defines
+      ``gate(scores, replayed, native) -> (used, replaced)`` (:class:`ablate.policies.ThresholdReplay`),
+      and a backend applies it there or refuses the policy. What such a policy spends is what its
+      gate lets through (``replay/replace_rate``, ``replay/effective_budget``), not a budget to match.
     - :attr:`reads_fisher`: the policy ranks by the Fisher estimate: it is built with the cell's
       tracker as ``fisher=``, and the estimate's settings are part of its arm.
     - :attr:`color` and :attr:`marker`: how plots draw the policy, the same in every figure of
@@ -70,6 +75,7 @@ class ReplayPolicy(ABC):
     Settings: ClassVar[type[PolicyConfig]] = PolicyConfig
     fixed_budget: ClassVar[float | None] = None
     needs_native_routes: ClassVar[bool] = False
+    gates_slots: ClassVar[bool] = False
     reads_fisher: ClassVar[bool] = False
     color: ClassVar[str | None] = None
     marker: ClassVar[str | None] = None
@@ -407,9 +413,15 @@ def fixed_budget_of(name: str) -> float | None:
 
 
 def fixed_budget_policies() -> dict[str, float]:
-    """Every known policy with a budget by definition, with that budget (``{"none": 0.0, "full": 1.0}``)."""
+    """Every known policy that replays a budget by definition, with that budget (``{"none": 0.0, "full": 1.0}``).
+
+    A policy that gates its routes (:attr:`ReplayPolicy.gates_slots`) has a fixed mask but spends
+    what its gate lets through: it is not one of them (the analysis reads these as the ends of
+    ``random``'s budget-response curve).
+    """
     load_plugins()
-    return {name: cls.fixed_budget for name, cls in sorted(_REGISTRY.items()) if cls.fixed_budget is not None}
+    return {name: cls.fixed_budget for name, cls in sorted(_REGISTRY.items())
+            if cls.fixed_budget is not None and not cls.gates_slots}
 
 
 #: The colours and markers a policy that declares none is given, by a hash of its name; the

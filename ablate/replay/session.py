@@ -44,11 +44,12 @@ log = logging.getLogger(__name__)
 
 #: A sum over the ranks that each counted a disjoint part of the routes (identity on one process).
 Reduce = Callable[[Tensor], Tensor]
-#: Counts of one step: the shared route counts, the selections whose policy fell back to random, and
-#: the valid routes no router reported a native route for (their batches' routing counts are left out).
-STEP_COUNTS = (*ROUTE_COUNTS, "fisher_fallback", "unobserved_routes")
+#: Counts of one step: the shared route counts, the selections whose policy fell back to random, the
+#: valid routes no router reported a native route for (their batches' routing counts are left out), and
+#: the replayed expert slots a score gate handed back (``threshold``).
+STEP_COUNTS = (*ROUTE_COUNTS, "fisher_fallback", "unobserved_routes", "replaced_slots")
 #: Counts that every update epoch adds once more: reported per step, i.e. per epoch.
-PER_EPOCH_COUNTS = ("valid_routes", "replayed_routes", "unrecorded_routes")
+PER_EPOCH_COUNTS = ("valid_routes", "replayed_routes", "unrecorded_routes", "replaced_slots")
 
 
 def _alone(values: Tensor) -> Tensor:
@@ -159,7 +160,8 @@ class ReplaySession:
 
     # ------------------------------------------------------------------------- counting
     def count(self, routes: Routes | None, mask: Tensor | None, *, unrecorded: Tensor | int = 0,
-              unobserved: Tensor | None = None, into: Tensor | None = None, layer: int | None = None) -> None:
+              unobserved: Tensor | None = None, into: Tensor | None = None, layer: int | None = None,
+              used: Tensor | None = None, replaced_slots: Tensor | float = 0.0) -> None:
         """Add one batch's route counts to the step's (or to ``into``, from :meth:`new_counts`: a probe pass's own).
 
         ``routes`` are the valid routes the mask chose from, with the native routes the training
@@ -167,7 +169,9 @@ class ReplaySession:
         routes (the rollout never recorded them) are counted apart. ``unobserved``: how many valid
         routes no router reported a native route for; where some are, the batch's ``routing/``
         counts are left out. ``layer``: ``routes`` hold that one MoE layer (as in :meth:`select`).
-        Everything stays on the device.
+        A replay variant whose replayed routes are not the rollout's gives the routes the forward
+        ``used`` and the slots its gate handed back (``replaced_slots``;
+        :func:`ablate.diagnostics.route_counts`). Everything stays on the device.
         """
         if routes is None:
             if not isinstance(unrecorded, int) or unrecorded:
@@ -178,10 +182,13 @@ class ReplaySession:
         counts = self._counts_on(routes.device) if into is None else into
         observed = None if unobserved is None else unobserved == 0
         scores = self.fisher_scores() if layer is None else self._layer_fisher(layer).scores_or_none()
-        counts[:len(ROUTE_COUNTS)] += route_count_tensor(routes, mask, fisher_scores=scores, observed=observed)
+        counts[:len(ROUTE_COUNTS)] += route_count_tensor(routes, mask, fisher_scores=scores, observed=observed,
+                                                         used=used)
         counts[STEP_COUNTS.index("unrecorded_routes")] += unrecorded
         if unobserved is not None:
             counts[STEP_COUNTS.index("unobserved_routes")] += unobserved
+        if not isinstance(replaced_slots, float) or replaced_slots:
+            counts[STEP_COUNTS.index("replaced_slots")] += replaced_slots
 
     def _counts_on(self, device: torch.device | str) -> Tensor:
         if self.counts is None:
@@ -234,7 +241,7 @@ class ReplaySession:
         for key in PER_EPOCH_COUNTS:
             totals[key] /= update_epochs
         metrics = metrics_from_counts(totals, self.budget, self.topk, fisher_fallback=totals["fisher_fallback"] > 0,
-                                      fisher_nonfinite=nonfinite)
+                                      fisher_nonfinite=nonfinite, replaced_slots=totals["replaced_slots"])
         metrics.update(self.probe_keys)
         self.step += 1
         self._reset_step()

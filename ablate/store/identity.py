@@ -33,9 +33,31 @@ NOT_IDENTITY = ("tracking", "store_dir", "sweep", "objective", "hydra", "plugins
 DETERMINED = ("cell_id", "backend", "policy", "budget", "seed", "trial", "settings", "schema_version")
 
 
+#: Config keys added after cells were first stored, with their defaults: a cell that leaves one at its
+#: default computes what it computed before the key existed, and its identity hashes without it.
+LATER_KEYS: dict[str, object] = {"replay.source": "rollout", "replay.weights": "recompute"}
+#: Diagnostics schema versions that only add keys, with the version they extend: a cell of one hashes
+#: the version it extends, so a store resumed after the bump keeps its cells' identities (the records'
+#: own version is ``schema_version`` in the config). Versions that change keys hash as themselves.
+ADDITIVE_SCHEMA_VERSIONS: dict[str, str] = {"1.3": "1.2"}
+
+
 def cell_id_of(resolved: Mapping[str, Any]) -> str:
-    """The identity of a resolved config: a hash of every key that changes what the cell computes."""
+    """The identity of a resolved config: a hash of every key that changes what the cell computes.
+
+    A key of :data:`LATER_KEYS` at its default and a schema version of :data:`ADDITIVE_SCHEMA_VERSIONS`
+    hash as they did before the key or the version existed, so a run store keeps its cells' identities.
+    """
     identity = {k: v for k, v in resolved.items() if k not in NOT_IDENTITY}
+    for key, default in LATER_KEYS.items():
+        section, _, name = key.partition(".")
+        values = identity.get(section)
+        if isinstance(values, Mapping) and values.get(name) == default:
+            values = {k: v for k, v in values.items() if k != name}
+            identity = {**identity, section: values} if values else {k: v for k, v in identity.items() if k != section}
+    version = identity.get("schema_version")
+    if isinstance(version, str) and version in ADDITIVE_SCHEMA_VERSIONS:
+        identity["schema_version"] = ADDITIVE_SCHEMA_VERSIONS[version]
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
 
 

@@ -47,6 +47,10 @@ class AblateGridSweeperConf:
     max_batch_size: Optional[int] = None
     #: The grid, as in Hydra's basic sweeper: {key: "v1,v2,..."}.
     params: Optional[dict[str, str]] = None
+    #: A union of grids where one grid cannot say it (a setting only some policies have): each
+    #: {key: "v1,v2,..."} is expanded with ``params`` and the command line's overrides, and the
+    #: cells of all of them are planned together (a cell two grids share runs once).
+    grids: Optional[list[dict[str, str]]] = None
     #: Seconds between progress reports while cells run.
     progress_interval: float = 2.0
     #: Plan only: print the cells and their state in the run store, launch nothing.
@@ -229,12 +233,14 @@ def grid_jobs(overrides: list[Override], parsed: Optional[dict[str, Override]] =
 
 class AblateGridSweeper(Sweeper):
     def __init__(self, max_batch_size: Optional[int], params: Optional[dict[str, str]] = None,
-                 progress_interval: float = 2.0, dry_run: bool = False) -> None:
+                 progress_interval: float = 2.0, dry_run: bool = False,
+                 grids: Optional[list[dict[str, str]]] = None) -> None:
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"hydra.sweeper.max_batch_size={max_batch_size}: expected a number of cells >= 1, or "
                              "null for all of them")
         self.max_batch_size = max_batch_size
         self.params = dict(params or {})
+        self.grids = [dict(grid) for grid in grids or [{}]]
         self.progress_interval = progress_interval
         self.dry_run = dry_run
         self.config: Optional[DictConfig] = None
@@ -281,16 +287,19 @@ class AblateGridSweeper(Sweeper):
         # A sweep file's plugins: their policies become `policy` options before the jobs compose.
         load_command_plugins([str(module) for module in self.config.get("plugins") or ()])
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
-        overrides = parser.parse_overrides([*(f"{key}={value}" for key, value in self.params.items()), *arguments])
-        empty = empty_sweeps(overrides)
-        if empty:
-            print(f"ablate: {empty[0]} gives no value: a grid with an empty sweep has no cells (expected at least "
-                  "one value)", file=sys.stderr, flush=True)
-            raise SystemExit(2)
-        for note in repeated_values(overrides):
-            print(f"ablate: {note}: each cell runs once", file=sys.stderr, flush=True)
         compose = JobComposer(self.config, self.hydra_context.config_loader)
-        jobs = grid_jobs(overrides, compose.parsed)
+        jobs: list[list[str]] = []
+        for grid in self.grids:
+            overrides = parser.parse_overrides(
+                [*(f"{key}={value}" for key, value in {**self.params, **grid}.items()), *arguments])
+            empty = empty_sweeps(overrides)
+            if empty:
+                print(f"ablate: {empty[0]} gives no value: a grid with an empty sweep has no cells (expected at least "
+                      "one value)", file=sys.stderr, flush=True)
+                raise SystemExit(2)
+            for note in repeated_values(overrides):
+                print(f"ablate: {note}: each cell runs once", file=sys.stderr, flush=True)
+            jobs += grid_jobs(overrides, compose.parsed)
         # Every worker writes to the same store, wherever its working directory is (Ray, SLURM).
         # Quoted: Hydra parses it again, and a path may hold any character ("p (copy)", "é", ",").
         store = quoted_override("store_dir", str(store_root(str(self.config.store_dir))))

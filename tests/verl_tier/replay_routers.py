@@ -50,10 +50,10 @@ def hook_installer():
     from ablate.policies import PolicySpec
     from ablate.replay import ReplaySpec
 
-    def make(policy, budget, seed=0, **settings):
+    def make(policy, budget, seed=0, source="rollout", **settings):
         spec = PolicySpec(policy, {k: v for k, v in settings.items() if k != "decay"},
                           fisher_decay=settings.get("decay", 0.9))
-        return engines.install(HookSettings(ReplaySpec(spec, budget, seed)).make_hook())
+        return engines.install(HookSettings(ReplaySpec(spec, budget, seed, source=source)).make_hook())
 
     yield make
     engines.uninstall()
@@ -119,6 +119,21 @@ def replay(model, config, routes_nested, input_ids, response_mask, logits):
         router.router_replay.clear_indices()
         router.router_replay.clear_router_replay_action()
     return torch.stack(maps, dim=1), token_mask.values()
+
+
+def replay_r2(model, config, routes_nested, logits):
+    """verl's R2 update forward_step through transformer_impl's names: the recorded routes, no mask; routing maps."""
+    from verl.utils.megatron.router_replay_patch import RouterReplayAction
+    from verl.utils.megatron.router_replay_utils import set_model_router_replay_action
+    from verl.workers.engine.megatron import transformer_impl as ti
+
+    set_model_router_replay_action(model, RouterReplayAction.REPLAY_FORWARD)
+    ti.set_router_replay_data(routes_nested, None, config, 0, replay_mask=None, model=model)
+    maps = [router.routing(layer_logits[:, None, :])[1] for router, layer_logits in zip(model.decoder, logits)]
+    for router in model.decoder:
+        router.router_replay.clear_indices()
+        router.router_replay.clear_router_replay_action()
+    return torch.stack(maps, dim=1)
 
 
 def batch(lengths, response_lengths, generator):

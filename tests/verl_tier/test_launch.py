@@ -200,6 +200,45 @@ def test_check_verl_version():
         check_verl("0.8.0")
 
 
+# ------------------------------------------------------------------------------------------ R2
+def r2_settings(policy="random", budget=0.3, engine="megatron") -> HookSettings:
+    return HookSettings(ReplaySpec(PolicySpec(policy), budget, 3, source="train"), engine=engine)
+
+
+@pytest.mark.parametrize("engine", ["megatron", "veomni"])
+def test_an_r2_cell_sets_verls_r2_without_rollout_routes_and_passes_verls_validation(engine, monkeypatch):
+    from verl.utils.config import validate_config
+
+    for policy, budget in (("full", 1.0), ("fisher", 0.25), ("random", 0.5)):
+        settings = r2_settings(policy, budget, engine)
+        config = composed(settings)
+        validate_config(config, use_reference_policy=False, use_critic=False)
+        check_cell_config(config, policy, engine=engine, source="train")
+        actor = config.actor_rollout_ref.actor
+        assert getattr(actor, engine).router_replay.mode == "R2"
+        assert not config.actor_rollout_ref.rollout.enable_rollout_routing_replay  # verl refuses both at once
+        env = runtime_env_of(config, monkeypatch)["env_vars"]
+        assert HookSettings.from_json(env[HookSettings.ENV]) == settings
+
+
+def test_what_verl_refuses_of_r2_is_refused_before_launch_in_one_line():
+    from verl.utils.config import validate_config
+
+    bypass = composed(r2_settings(), "algorithm.rollout_correction.bypass_mode=True")
+    with pytest.raises(ValueError, match="router_replay.mode='R2' requires algorithm.rollout_correction.bypass_mode"):
+        validate_config(bypass, use_reference_policy=False, use_critic=False)  # verl's own refusal, at its start
+    with pytest.raises(VerlLaunchError, match=r"^replay.source=train with algorithm.rollout_correction.bypass_mode="
+                                              r"True: R2 records the trainer's routes in the old-log-prob pass"):
+        check_cell_config(bypass, "random", source="train")
+    both = composed(r2_settings(), "actor_rollout_ref.rollout.enable_rollout_routing_replay=True")
+    with pytest.raises(VerlLaunchError, match="enable_rollout_routing_replay=True with replay.source=train"):
+        check_cell_config(both, "random", source="train")
+    with pytest.raises(VerlLaunchError, match="router_replay.mode=R3 with replay.source=train"):
+        check_cell_config(composed(settings_for("random", 0.3, {})), "random", source="train")
+    with pytest.raises(VerlLaunchError, match=r"^probes=\[none\] with replay.source=train"):
+        check_cell_config(composed(r2_settings()), "random", probes=["none"], source="train")
+
+
 # ------------------------------------------------------------------ where the hook is installed
 INSTALL_PROBE = textwrap.dedent("""
     import json, os, sys
@@ -246,6 +285,16 @@ def test_the_hook_installs_itself_only_with_an_r3_megatron_actor():
         "megatron_after_import": [], "installed_after_import": False, "installed_after_engine_import": False,
         "reference": False, "critic": False, "actor_without_replay": False, "actor": True,
     }
+
+
+def test_the_hook_installs_itself_in_an_r2_megatron_actor_too():
+    engines = {"reference": ("MegatronEngineWithLMHead", "R2", True),
+               "actor": ("MegatronEngineWithLMHead", "R2", False)}
+    code = INSTALL_PROBE.format(cell=r2_settings().to_json(), engines=engines)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("REPORT"))[6:])
+    assert report["reference"] is False and report["actor"] is True
 
 
 # ----------------------------------------------------------------------------- the VeOmni engine

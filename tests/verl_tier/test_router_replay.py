@@ -26,6 +26,7 @@ from replay_routers import (  # noqa: E402
     native_of,
     record,
     replay,
+    replay_r2,
     router_model,
     through_hook,
 )
@@ -114,6 +115,32 @@ def test_masked_routes_replay_recorded_and_unmasked_routes_stay_native(routers, 
     assert metrics["replay/replayed_routes"] == sum(count_for(hook.spec.budget, n) for n in per_sequence) == int(mask.sum())
     assert metrics["replay/unrecorded_routes"] == 0
     assert metrics["routing/route_mismatch_rate"] > 0
+
+
+@pytest.mark.parametrize("policy,budget", [("random", 0.4), ("fisher", 0.3), ("full", None)])
+def test_under_r2_the_mask_chooses_among_the_routes_the_trainer_recorded(routers, hooked, policy, budget):
+    """R2 (replay.source=train): the update replays what the old-log-prob pass recorded, for every
+    token and with no mask from verl; ablate's mask decides which of those routes are replayed."""
+    model, config = routers
+    generator = torch.Generator().manual_seed(2)
+    lengths = [9, 5, 12]
+    old_logits = torch.randn(NUM_LAYERS, sum(lengths), NUM_EXPERTS, generator=generator)
+    update_logits = old_logits + 0.8 * torch.randn(NUM_LAYERS, sum(lengths), NUM_EXPERTS, generator=generator)
+    recorded = record(model, old_logits)  # R2's old-log-prob pass: RECORD, native routing
+    input_ids, _ = batch(lengths, [4, 2, 6], generator)
+    routes = torch.nested.nested_tensor_from_jagged(recorded.to(torch.int16), offsets=input_ids.offsets())
+    hook = hooked(policy, budget, seed=4, source="train")
+    maps, passes, metrics = through_hook(hook, config, routes, input_ids,
+                                         lambda: replay_r2(model, config, routes, update_logits), forward_only=False)
+    assert len(passes) == 1
+    every_token = torch.ones(recorded.shape[0], dtype=torch.bool)
+    mask = expected_mask(hook, recorded, every_token, input_ids.offsets())
+    check_layer_by_layer(maps, recorded, update_logits, mask, every_token)
+    per_sequence = [n * NUM_LAYERS for n in lengths]
+    assert metrics["replay/valid_routes"] == sum(per_sequence)
+    assert metrics["replay/replayed_routes"] == sum(count_for(hook.spec.budget, n) for n in per_sequence)
+    # What R2 changes: the recorded routes the update's weights would route otherwise, where replayed.
+    assert 0 < metrics["routing/route_mismatch_rate"] and 0 < metrics["replay/effective_budget"]
 
 
 def test_fisher_scores_come_from_router_logit_gradients(routers, hooked):

@@ -140,11 +140,13 @@ def build_command(cell: Cell, metrics_file: Path, *, launch: bool = True) -> tup
            *cfg.overrides]
     settings = HookSettings(cell.replay, engine=engine)
     draft = compose(config_dir, cfg.config_name, [*verl_overrides(settings), *own])
-    check_cell_config(draft, cell.policy, cell.plugins, engine=engine)
+    source = cell.replay.source
+    check_cell_config(draft, cell.policy, cell.plugins, engine=engine, source=source)
     settings = dataclasses.replace(settings, update_epochs=update_epochs(draft))
     overrides = [*verl_overrides(settings), *own]
     final = compose(config_dir, cfg.config_name, overrides)
-    check_cell_config(final, cell.policy, cell.plugins, [probe.id for probe in cell.probes], engine=engine)
+    check_cell_config(final, cell.policy, cell.plugins, [probe.id for probe in cell.probes], engine=engine,
+                      source=source)
     check_resources(final, model_made_by_ablate=cfg.cpu is not None)  # the CPU stand-in makes its own model
     command = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={config_dir.resolve()}",
                f"--config-name={cfg.config_name}", *overrides]

@@ -102,4 +102,8 @@ BACKEND = Backend(
     # The worker hook measures router-logit gradients only.
     fisher_estimators=(Estimator.router_logits.value,),
     scores_probes=True,   # in the old-log-prob call (ablate/backends/verl/probe_passes.py)
+    replay_sources=("rollout", "train"),  # verl's R3 and R2 (router_replay.mode)
+    gate_refusal=("ablate's verl seams do not do: verl replays whole routes, and a gate would have to rewrite the "
+                  "replayed ids slot by slot where Megatron's RouterReplay.get_replay_topk and VeOmni's "
+                  "maybe_replay_indices see the scores"),
 )

@@ -75,17 +75,25 @@ def seed_overrides(seed: int, engine: str = "megatron") -> list[str]:
     ]
 
 
+def replay_mode(source: str) -> str:
+    """verl's ``router_replay.mode`` of a ``replay.source``: R3 replays the rollout's routes, R2 the trainer's own."""
+    return "R2" if source == "train" else "R3"
+
+
 def verl_overrides(settings: HookSettings) -> list[str]:
     """Hydra overrides that make verl's ``ppo_trainer`` config run one ablation cell. Pure.
 
     Every policy runs R3 with the hook, ``none`` (an empty mask: every route native) and ``full``
     (every recorded route) too, so that each cell measures its routes the same way: the
     ``routing/`` keys of ``none`` are the mismatch replay starts from, and ``full``'s residual
-    mismatch shows that replay reached every route.
+    mismatch shows that replay reached every route. A cell with ``replay.source=train`` runs R2
+    instead: the routes the trainer records in its old-log-prob pass are what the hook chooses
+    among, and the rollout records none (verl refuses its routes beside R2's).
     """
     engine = engine_launch(settings.engine)
+    mode = replay_mode(settings.replay.source)
     return [f"model_engine={engine.name}"] + seed_overrides(settings.seed, engine.name) + [
-        f"{engine.mode_key}=R3", f"{ROLLOUT_ROUTES_KEY}=True", *engine.required,
+        f"{engine.mode_key}={mode}", f"{ROLLOUT_ROUTES_KEY}={mode == 'R3'}", *engine.required,
         f"actor_rollout_ref.model.external_lib={WORKER_MODULE}",
         f"{ENV_PREFIX}{HookSettings.ENV}={hydra_string(settings.to_json())}",
     ]
@@ -130,8 +138,10 @@ def check_engine(engine: str, *, cpu: bool = False) -> None:
 
 
 def check_cell_config(config, policy: str, plugins: Sequence[str] = (), probes: Sequence[str] = (),
-                      engine: str = "megatron") -> None:
+                      engine: str = "megatron", source: str = "rollout") -> None:
     """Reject a composed verl config that cannot run ``policy`` as ablate means it on ``engine``.
+
+    ``source`` is the cell's ``replay.source``: ``train`` runs verl's R2 (:func:`check_r2_config`).
 
     Replay needs the engine ``backend.engine`` names (verl's FSDP, torchtitan and automodel
     engines carry a ``router_replay`` block but replay nothing in verl 0.9.1) and routes recorded
@@ -156,15 +166,17 @@ def check_cell_config(config, policy: str, plugins: Sequence[str] = (), probes: 
     if mode == "disabled":
         return
     check_strategy(actor.strategy, launch, OmegaConf.select(config, "trainer.device", default="cuda"))
-    if mode != "R3":
+    if source == "train":
+        check_r2_config(config, launch, mode, probes)
+    elif mode != "R3":
         raise VerlLaunchError(
             f"{launch.mode_key}={mode}: ablate's masks choose among the routes the rollout recorded, which verl "
             f"replays in R3; set {launch.mode_key}=R3")
-    if not config.actor_rollout_ref.rollout.enable_rollout_routing_replay:
+    elif not config.actor_rollout_ref.rollout.enable_rollout_routing_replay:
         raise VerlLaunchError(
             f"{launch.mode_key}=R3 but {ROLLOUT_ROUTES_KEY}=False: the rollout engine would return no routed_experts"
         )
-    if config.actor_rollout_ref.rollout.name not in ROUTE_RECORDING_ROLLOUTS:
+    elif config.actor_rollout_ref.rollout.name not in ROUTE_RECORDING_ROLLOUTS:
         raise VerlLaunchError(
             f"actor_rollout_ref.rollout.name={config.actor_rollout_ref.rollout.name}: only "
             f"{', '.join(ROUTE_RECORDING_ROLLOUTS)} return routed_experts for R3"
@@ -186,6 +198,29 @@ def check_cell_config(config, policy: str, plugins: Sequence[str] = (), probes: 
             "old-log-prob pass, which bypass mode skips, so it would replay nothing; set "
             f"{BYPASS_KEY}=False or choose another policy"
         )
+
+
+def check_r2_config(config, launch: VerlEngineSpec, mode: str, probes: Sequence[str]) -> None:
+    """What verl refuses of R2 (``replay.source=train``), and what the hook cannot do in it, refused in one line."""
+    from omegaconf import OmegaConf
+
+    if mode != "R2":
+        raise VerlLaunchError(
+            f"{launch.mode_key}={mode} with replay.source=train: R2 replays the routes the trainer records in its "
+            f"old-log-prob pass, which verl does in router_replay.mode=R2; set {launch.mode_key}=R2")
+    if OmegaConf.select(config, BYPASS_KEY, default=False):
+        raise VerlLaunchError(
+            f"replay.source=train with {BYPASS_KEY}=True: R2 records the trainer's routes in the old-log-prob pass, "
+            f"which bypass mode skips (verl refuses router_replay.mode=R2 with bypass mode); set {BYPASS_KEY}=False "
+            "or replay.source=rollout")
+    if config.actor_rollout_ref.rollout.enable_rollout_routing_replay:
+        raise VerlLaunchError(
+            f"{ROLLOUT_ROUTES_KEY}=True with replay.source=train: verl refuses the rollout's routes beside the ones "
+            "R2 records (they would meet in one batch); set it False")
+    if probes:
+        raise VerlLaunchError(
+            f"probes=[{','.join(probes)}] with replay.source=train: probes replay masks of the rollout's routes, "
+            "which the rollout does not record under R2; drop the probes or use replay.source=rollout")
 
 
 def check_strategy(strategy: str, launch: VerlEngineSpec, device: str) -> None:

@@ -30,7 +30,7 @@ def check_step(step: int, record: Mapping[str, float], native: Mapping[str, floa
         raise SilentReplay(
             f"step {step}: the replay hook never installed in verl's actor (no {SEEN_KEY} among the step's "
             "metrics): actor_rollout_ref.model.external_lib must stay ablate.backends.verl.worker, with an "
-            "actor of backend.engine's engine in router_replay.mode=R3"
+            "actor of backend.engine's engine in router_replay.mode=R3 (R2 with replay.source=train)"
         )
     if budget <= 0:
         return

@@ -14,6 +14,10 @@ from typing import Any
 
 from ablate.replay.seams import MICRO_BATCHES_KEY, CallInfo, active_hook, install
 
+#: verl's ``router_replay.mode`` values the hook replays in: R3, and R2 (``replay.source=train``), whose
+#: update calls carry the routes the old-log-prob call recorded as ``routed_experts``.
+REPLAY_MODES = ("R3", "R2")
+
 
 def r3_call(data, forward_only: bool, *, num_experts: int, layer_columns) -> CallInfo | None:
     """The R3 call described by verl's batch ``data``, or None when it does not replay routes.

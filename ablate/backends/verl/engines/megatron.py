@@ -46,7 +46,7 @@ from torch import Tensor
 
 from ablate.backends.verl import entry_points as ep
 from ablate.backends.verl.engines.base import arm as arm_engine
-from ablate.backends.verl.engines.base import hooked_call, r3_call
+from ablate.backends.verl.engines.base import REPLAY_MODES, hooked_call, r3_call
 from ablate.replay import megatron_routers, ranks
 from ablate.replay.megatron_routers import (
     REPLAY_FORWARD,
@@ -194,22 +194,30 @@ class MegatronSeam(EngineSeam):
     # ----------------------------------------------------------------- verl-facing methods
     def set_router_replay_data(self, original, layers_topk_idx, attention_mask, tf_config, vp_rank=None,
                                replay_mask=None, local_cp_size=None, model=None):
-        """verl's ``set_router_replay_data`` with ablate's mask in place of R3's per-token mask."""
+        """verl's ``set_router_replay_data`` with ablate's mask in place of R3's per-token mask.
+
+        Under R2 (``replay.source=train``) verl hands no mask: the routes are the trainer's own,
+        recorded in its old-log-prob pass, for every token, and ablate's mask chooses among them.
+        """
         hook = self.hook
         info = hook.current_call()
-        if info is None or replay_mask is None or model is None or not getattr(layers_topk_idx, "is_nested", False):
-            # Not an R3 micro-batch of an ablate cell (R2, BSHD input, outside a hooked call).
+        r2 = replay_mask is None and hook.spec.source == "train"  # R2 replays every token's recorded routes
+        if (info is None or (replay_mask is None and not r2) or model is None
+                or not getattr(layers_topk_idx, "is_nested", False)):
+            # Not a replayed micro-batch of an ablate cell (BSHD input, outside a hooked call).
             return original(layers_topk_idx, attention_mask, tf_config, vp_rank, replay_mask=replay_mask,
                             local_cp_size=local_cp_size, model=model)
         from verl.utils.megatron.router_replay_utils import iter_model_routers
 
         rollout, offsets = layers_topk_idx.values(), layers_topk_idx.offsets()
+        tokens = (torch.ones(rollout.shape[0], dtype=torch.bool, device=rollout.device) if r2
+                  else replay_mask.values())
         routers = list(iter_model_routers(model))
         for number, replay in routers:
             column = info.layer_columns[number - 1]
             self._routers[id(replay)] = _Router(replay, column, info.moe_layer(column))
         counted = self.counting_rank(info, [number for number, _ in routers])
-        augmented = hook.augmented_routes(vp_rank or 0, rollout, replay_mask.values(), offsets, counted=counted)
+        augmented = hook.augmented_routes(vp_rank or 0, rollout, tokens, offsets, counted=counted)
         packed = torch.nested.nested_tensor_from_jagged(augmented, offsets=offsets)
         with self._splitting_targets(info.topk, hook.last_rows):
             original(packed, attention_mask, tf_config, vp_rank, replay_mask=None, local_cp_size=local_cp_size,
@@ -263,15 +271,15 @@ class MegatronSeam(EngineSeam):
 
 
 # --------------------------------------------------------------------- install in the actor only
-def is_r3_actor(engine) -> bool:
-    """A Megatron engine that trains a policy with R3: not a critic, not a forward-only reference."""
+def is_replay_actor(engine) -> bool:
+    """A Megatron engine that trains a policy with R3 (or R2): not a critic, not a forward-only reference."""
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
     config = engine.engine_config
     policy = isinstance(engine, MegatronEngineWithLMHead) and not isinstance(engine, MegatronEngineWithValueHead)
-    return policy and config.router_replay.mode == "R3" and not config.forward_only
+    return policy and config.router_replay.mode in REPLAY_MODES and not config.forward_only
 
 
 def arm(make_hook: Callable[[], Any]) -> None:
-    """Install ``make_hook()`` when this process builds an R3 Megatron actor engine (:func:`.base.arm`)."""
-    arm_engine(INIT, is_r3_actor, make_hook)
+    """Install ``make_hook()`` when this process builds an R3 (or R2) Megatron actor engine (:func:`.base.arm`)."""
+    arm_engine(INIT, is_replay_actor, make_hook)

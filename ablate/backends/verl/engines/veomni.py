@@ -20,8 +20,10 @@ recorded route (distinct ids), the native top-k elsewhere. The seam replaces
 
 verl's R3 here replays every recorded route of the micro-batch, prompt tokens included (there is
 no per-token R3 mask as in the Megatron engine): a token is valid for the budget when all its
-routes were recorded. Slot ``i`` of the route tensor belongs to the ``i``-th router to fire, so
-every decoder layer must be a MoE layer (verl's engine checks it after each forward;
+routes were recorded. Under R2 the update passes replay the routes verl's controller recorded in
+the old-log-prob pass the same way, through the same two methods, so the seam needs nothing more.
+Slot ``i`` of the route tensor belongs to the ``i``-th router to fire, so every decoder layer
+must be a MoE layer (verl's engine checks it after each forward;
 :mod:`..launch` refuses such a model before launch).
 
 Rank layout: FSDP2 shards parameters, not tokens: each data-parallel rank routes its own micro-
@@ -42,7 +44,7 @@ from torch import Tensor
 
 from ablate.backends.verl import entry_points as ep
 from ablate.backends.verl.engines.base import arm as arm_engine
-from ablate.backends.verl.engines.base import hooked_call, r3_call
+from ablate.backends.verl.engines.base import REPLAY_MODES, hooked_call, r3_call
 from ablate.replay import ranks
 from ablate.replay.seams import CallInfo, EngineSeam, LayerTargets, split_layers
 
@@ -209,14 +211,15 @@ class VeOmniSeam(EngineSeam):
 
 
 # --------------------------------------------------------------------- install in the actor only
-def is_r3_actor(engine) -> bool:
-    """A VeOmni engine that trains a policy with R3: not a critic, not a forward-only reference."""
+def is_replay_actor(engine) -> bool:
+    """A VeOmni engine that trains a policy with R3 (or R2): not a critic, not a forward-only reference."""
     from verl.workers.engine.veomni.transformer_impl import VeOmniEngineWithLMHead
 
     config = engine.engine_config
-    return isinstance(engine, VeOmniEngineWithLMHead) and config.router_replay.mode == "R3" and not config.forward_only
+    return (isinstance(engine, VeOmniEngineWithLMHead) and config.router_replay.mode in REPLAY_MODES
+            and not config.forward_only)
 
 
 def arm(make_hook: Callable[[], Any]) -> None:
-    """Install ``make_hook()`` when this process builds an R3 VeOmni actor engine (:func:`.base.arm`)."""
-    arm_engine(INIT, is_r3_actor, make_hook)
+    """Install ``make_hook()`` when this process builds an R3 (or R2) VeOmni actor engine (:func:`.base.arm`)."""
+    arm_engine(INIT, is_replay_actor, make_hook)
