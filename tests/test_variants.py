@@ -100,7 +100,8 @@ def test_the_gate_keeps_slots_by_the_trainers_score_and_refills_from_its_top_k_i
 def test_a_cell_without_a_variant_keeps_the_identity_it_had_before_the_replay_section():
     cell = cell_from_config(compose_config("policy=fisher", "budget=0.25", "seed=3"))
     before = {k: v for k, v in cell.resolved.items()
-              if k not in ("replay", "tracking", "store_dir", "sweep", "objective", "plugins", "analysis", "cell_timeout")}
+              if k not in ("replay", "tracking", "store_dir", "sweep", "objective", "plugins", "analysis",
+                           "cell_timeout")}
     before["schema_version"] = "1.2"  # the version every stored cell's identity was hashed with
     assert cell.cell_id == hashlib.sha256(json.dumps(before, sort_keys=True, default=str).encode()).hexdigest()
     assert cell.resolved["replay"] == {"source": "rollout", "weights": "recompute"}
