@@ -102,7 +102,8 @@ SOURCES: dict[str, Source] = {
         keep=tuple(f"runs/budget_selection/analysis/{name}_{outcome}.csv" for name in ("effects", "table")
                    for outcome in ("kl_k3_mean", "final_reward")),
         figures=tuple((f"runs/budget_selection/analysis/{name}_{outcome}.png", f"budget-selection-{name}_{outcome}.png")
-                      for name in ("selection_effects", "effective_budget") for outcome in ("kl_k3_mean", "final_reward")),
+                      for name in ("selection_effects", "effective_budget")
+                      for outcome in ("kl_k3_mean", "final_reward")),
         cells=("runs/budget_selection/analysis/cells.csv", ("kl_k3_mean", "final_reward", "effective_budget_mean")),
     ),
     "store_10k": Source((

@@ -36,10 +36,10 @@ from ablate.analysis.compare import parse_comparison
 from ablate.analysis.compute import analyse, design_lines
 from ablate.analysis.export import export_table, to_markdown
 from ablate.analysis.extras import MissingExtraError
-from ablate.analysis.families import parse_selector
 from ablate.analysis.load import CorruptCellError, ExcludedCellsWarning, find_sweep, load_runs, parse_where, read_sweep
 from ablate.analysis.printer import Printer, effects_legend
 from ablate.analysis.probe_effects import PROBE_OUTCOMES, across_cells, step_effects, within_run
+from ablate.analysis.selectors import parse_selector
 from ablate.analysis.settings import INTERVAL_METHODS, AnalysisSettings, parse_outcome_values
 from ablate.analysis.stats import ADJUSTMENTS
 from ablate.analysis.tables import arm_keys
@@ -164,6 +164,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Library warnings (matplotlib, pandas, numpy, W&B) stay off the console: each says something of the
+    # library's own workings, at a line of its caller. What matters to the user ablate says in its own words
+    # (its own warning classes), once each, after the output.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            return _main(argv)
+        finally:
+            for message in dict.fromkeys(str(w.message) for w in caught if w.category.__module__.startswith("ablate")):
+                print(f"ablate-analyze: warning: {message}", file=sys.stderr)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return _analyse(args, parse_where(args.where))
