@@ -308,3 +308,42 @@ def test_the_verdict_of_a_real_smoke_sweep_reads_its_declared_outcomes_and_trace
         effects = pd.read_csv(tmp_path / "runs/smoke/analysis" / f"effects_{outcome}.csv")
         assert traced_rows(printed, outcome, effects) >= 4  # replay, budget, mismatch raw and matched
     assert max(len(line) for line in printed.splitlines()) <= 100
+
+
+def test_a_stopped_sweep_says_which_questions_it_can_already_answer(tmp_path, capsys, monkeypatch):
+    from ablate.analysis.cli import main
+    from tests.test_analysis_store import write_cell
+
+    declared = {"outcomes": ["kl_k3_mean"], "margins": {"kl_k3_mean": 0.001},
+                "primary": ["replay", "selection:mismatch:random@pooled", "selection:fisher:random@pooled"]}
+    sweep_dir = tmp_path / "runs" / "smoke"
+    for seed in range(6):  # stopped after none, full and random: no cell of mismatch or fisher yet
+        for policy, budget in [("none", 0.0), ("full", 1.0), ("random", 0.25), ("random", 0.5)]:
+            write_cell(sweep_dir, policy, budget, seed, analysis=declared)
+    monkeypatch.setenv("COLUMNS", "100")
+    assert main([str(sweep_dir), "--out", str(tmp_path / "out"), "--reps", "50", "--no-plots"]) == 0
+    printed = capsys.readouterr().out
+    verdict = printed.split("## verdict")[1].split("\n## ")[0]
+    assert "\n  replay: " in verdict and "\n  random: " in verdict  # answered, whatever the answer
+    words = " ".join(verdict.split())  # the lines as one text, whatever their wrapping
+    assert ("mismatch: no cells yet - primary question 2 (selection:mismatch:random@pooled) needs cells of "
+            "mismatch and random at one budget") in words
+    assert "\n  fisher: no cells yet - primary question 3" in verdict
+
+
+def test_a_store_without_a_pair_of_arms_prints_no_legend_without_a_table(tmp_path, capsys, monkeypatch):
+    from ablate.analysis.cli import main
+    from tests.test_analysis_store import write_cell
+
+    sweep_dir = tmp_path / "runs" / "toy"
+    for seed in range(3):
+        write_cell(sweep_dir, "fisher", 0.5, seed)  # one arm: nothing to pair it with
+    monkeypatch.setenv("COLUMNS", "100")
+    assert main([str(sweep_dir), "--out", str(tmp_path / "out"), "--reps", "50", "--no-plots",
+                 "--outcome", "kl_k3_mean"]) == 0
+    printed = capsys.readouterr().out
+    effects = printed.split("## effects on kl_k3_mean (paired by seed)")[1].split("\n## ")[0]
+    assert effects.strip().startswith("no effect rows: replay needs cells of none and full")
+    assert "ci_adj_low" not in effects and "| " not in effects  # no legend, no table
+    verdict = printed.split("## verdict")[1].split("\n## ")[0]
+    assert "replay: no cells yet" in verdict and "notes on the answers" not in verdict
