@@ -101,9 +101,9 @@ SOURCES: dict[str, Source] = {
         ),
         keep=tuple(f"runs/budget_selection/analysis/{name}_{outcome}.csv" for name in ("effects", "table")
                    for outcome in ("kl_k3_mean", "final_reward")),
-        figures=tuple((f"runs/budget_selection/analysis/{name}_{outcome}.png", f"budget-selection-{name}_{outcome}.png")
-                      for name in ("selection_effects", "effective_budget")
-                      for outcome in ("kl_k3_mean", "final_reward")),
+        figures=tuple((f"runs/budget_selection/analysis/{name}.png", f"budget-selection-{name}.png")
+                      for name in ("selection_effects_kl_k3_mean", "selection_effects_final_reward",
+                                   "effective_budget_kl_k3_mean")),
         cells=("runs/budget_selection/analysis/cells.csv", ("kl_k3_mean", "final_reward", "effective_budget_mean")),
     ),
     "store_10k": Source((
@@ -360,8 +360,7 @@ def budget_selection_run(capture: Capture) -> str:
 
 def budget_selection_answers(capture: Capture) -> str:
     lines = answers_only(verdict(capture, BUDGET_SELECTION))
-    return (f"At commit `{commit_of(capture)}`, the analysis of `budget_selection` (264 cells, 12 seeds) "
-            "answers (each answer cites its rows on the [results page](docs/results/budget-selection.md)):\n\n"
+    return (f"At commit `{commit_of(capture)}`, its analysis answers (the rows each answer rests on left out):\n\n"
             + fenced("\n".join(lines).strip("\n")))
 
 
@@ -510,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in args.only or list(SOURCES):
                 started = time.monotonic()
                 capture = run_source(name, (work / name).resolve(), at)
+                if commit() != at:  # the commands ran the working tree's code: it must still be the commit's
+                    raise SystemExit(f"regenerate_quotes: the code changed while {name} ran; nothing saved for it")
                 QUOTED.mkdir(parents=True, exist_ok=True)
                 (QUOTED / f"{name}.txt").write_text(capture.render(), encoding="utf-8")
                 keep_files(name, (work / name).resolve())

@@ -167,7 +167,9 @@ def effects_legend(table: pd.DataFrame, *, compact: bool = True) -> list[str]:
         lines.append(f"- ci_low/ci_high: UNADJUSTED {level} interval of the mean difference; it {interval}")
     lines += [
         f"- ci_adj_low/ci_adj_high: {level} interval ADJUSTED to the row's family, as p_adj (it excludes 0 exactly "
-        f"when p_adj < {alpha}; -inf/inf: these seeds or this family allow no claim)",
+        f"when p_adj < {alpha}; -inf/inf: a family this large, or a primary gate not reached, allows these seeds no "
+        f"claim; empty: fewer than {attrs['min_seeds']} paired seeds, too few for any interval, the note saying "
+        "why, such as seeds dropped)",
         f"- p_value: two-sided exact sign-flip test; p_adj: {ADJUSTMENTS[attrs['adjust']]} within each family"
         + (", primary gates by serial gatekeeping in the order given" if attrs["primary"] else ""),
         "- families: each table below is one, under its name and size" if compact else

@@ -156,9 +156,8 @@ def _answers(outcome: str, context: str, table: pd.DataFrame, plan: pd.DataFrame
         finding, sentence = _single(budget, "replaying routes at random", margin)
         finding = "budget" if finding == "changes" else finding
         answers.append(Answer(outcome, context, BUDGET_CONTROL, finding, sentence, (budget,)))
-    selected = table[(table["effect"] == "selection") & (table["baseline"] == BUDGET_CONTROL)] if len(table) else table
-    policies = order_policies(selected["policy"].unique()) if len(selected) else []
-    for policy in policies:
+    selected = table[(table["effect"] == "selection") & (table["baseline"] == BUDGET_CONTROL)]
+    for policy in order_policies(selected["policy"].unique()):
         raw = cite.row("selection", policy, BUDGET_CONTROL)
         matched = cite.row("matched_selection", policy, BUDGET_CONTROL)
         finding, sentence, cited = _policy(budget, raw, matched, margin)
