@@ -14,8 +14,9 @@ which names the commit. ``tests/test_quoted.py`` fails when a block differs from
 saved runs, and (slow tier) when the code no longer prints what a saved run printed.
 
 With ``--work DIR`` the runs stay in DIR, and a later call reuses a source's cells when nothing
-that makes a cell changed since they ran (everything but ``ablate/analysis`` and the docs): it
-runs the analysis commands again and keeps the sweep's saved output. The code must be committed:
+that makes a cell changed since they ran (:data:`CELL_CODE`: ``ablate`` but its analysis, the
+configs, the sweeps, the Hydra plugins): it runs the analysis commands again and keeps the
+sweep's saved output. The code must be committed:
 a quote names a commit, and uncommitted code is no commit.
 
 Times on a 2-core machine: ``cli`` 1 minute, ``demo`` 4, ``store_10k`` 4, ``budget_selection``
@@ -47,8 +48,8 @@ RESULTS_IMAGES = ROOT / "docs" / "results" / "img"
 PAGES = ("README.md", "docs")
 BEGIN = re.compile(r"^<!-- quoted (\S+) -->$")
 END = "<!-- /quoted -->"
-#: Changes to these paths leave a cell's result as it was: ``--work`` reuses cells across them.
-NOT_CELL_CODE = (":!ablate/analysis", ":!docs", ":!README.md", ":!tests", ":!bench", ":!examples", ":!Makefile")
+#: What makes a cell (its code, configs and sweeps): ``--work`` reuses cells across changes elsewhere.
+CELL_CODE = ("ablate", ":!ablate/analysis", "conf", "sweeps", "hydra_plugins", "pyproject.toml")
 #: The prefix of the lines that separate the commands of a saved run.
 MARK = ">>> "
 
@@ -199,7 +200,7 @@ def commit() -> str:
 
 def cells_unchanged(since: str) -> bool:
     """Whether nothing that makes a cell changed between ``since`` and HEAD."""
-    changed = subprocess.run(["git", "diff", "--quiet", since, "HEAD", "--", ".", *NOT_CELL_CODE], cwd=ROOT)
+    changed = subprocess.run(["git", "diff", "--quiet", since, "HEAD", "--", *CELL_CODE], cwd=ROOT)
     return changed.returncode == 0
 
 
