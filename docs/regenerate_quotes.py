@@ -228,6 +228,7 @@ def run_source(name: str, folder: Path, at: str) -> Capture:
     reuse = ran_at.is_file() and saved.is_file() and cells_unchanged(ran_at.read_text().strip())
     cells_at = ran_at.read_text().strip() if reuse else at
     capture = Capture(name)
+    load = os.getloadavg()[0]  # the times a run prints are the machine's, shared or not
     for command in source.commands:
         if command.cells and reuse:
             capture.runs += Capture.parse(name, saved.read_text(encoding="utf-8")).runs
@@ -243,7 +244,7 @@ def run_source(name: str, folder: Path, at: str) -> Capture:
         "commit": at if cells_at == at else f"{cells_at} (cells), {at} (the rest)",
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "machine": f"{os.cpu_count()} CPUs, {platform.system()} {platform.machine()}, Python "
-                   f"{platform.python_version()}",
+                   f"{platform.python_version()}, load average {load:.1f} at the start",
         "regenerate": f"python docs/regenerate_quotes.py --only {name}",
     }
     return capture
