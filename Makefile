@@ -45,8 +45,9 @@ test-wheel:
 docs:
 	PYTHON=$(PYTHON) bash .ci/docs.sh
 
-# Every output README.md and docs/ quote, run again at the current (committed) code: about 35 minutes
-# on 2 cores, most of it the budget_selection sweep (docs/regenerate_quotes.py says how to run less).
+# Every output README.md and docs/ quote, run again at the current (committed) code: about 20 minutes
+# alone on 2 cores, most of it the budget_selection sweep (docs/development.md gives the times measured;
+# docs/regenerate_quotes.py says how to run less).
 docs-figures: $(STAMP)
 	$(BIN)/python docs/regenerate_quotes.py
 

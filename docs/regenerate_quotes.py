@@ -19,8 +19,9 @@ configs, the sweeps, the Hydra plugins): it runs the analysis commands again and
 sweep's saved output. The code must be committed:
 a quote names a commit, and uncommitted code is no commit.
 
-Times on a 2-core machine: ``cli`` 1 minute, ``demo`` 4, ``store_10k`` 4, ``budget_selection``
-about 25 (264 cells of 100 steps on two workers) when the machine is otherwise idle.
+Times on a 2-core machine of its own: ``cli`` under a minute, ``demo`` 3 to 4 minutes, ``store_10k``
+a few, ``budget_selection`` about 13 (264 cells of 100 steps on two workers); docs/development.md
+gives what was measured.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ class Source:
 ANALYSE = "python -m ablate.analysis"
 SOURCES: dict[str, Source] = {
     "cli": Source((
-        Command("python -m ablate policy=fisher budget=0.25 seed=3 backend.steps=20 tracking.mode=disabled"),
+        Command("python -m ablate policy=fisher budget=0.25 seed=3 backend.steps=20 tracking.mode=disabled",
+                cells=True),
         Command("python -m ablate policy=fisher budget=2.0", expect=2),
         Command("python -m ablate backend.topk=9", expect=2),
     )),
@@ -107,6 +109,12 @@ SOURCES: dict[str, Source] = {
                                    "effective_budget_kl_k3_mean")),
         cells=("runs/budget_selection/analysis/cells.csv", ("kl_k3_mean", "final_reward", "effective_budget_mean")),
     ),
+    "tuning": Source((
+        Command("python -m ablate -m hydra/sweeper=ablate_optuna sweep=my_study policy=fisher budget=0.25 "
+                "'policy.tau=interval(0.0, 2.0)' 'policy.fisher.decay=tag(log, interval(0.5, 0.99))' "
+                "'policy.per_layer=choice(true, false)' hydra.sweeper.n_trials=3 hydra.sweeper.sampler.seed=0 "
+                "backend.steps=20", cells=True),
+    )),
     "store_10k": Source((
         Command("python {root}/bench/make_store.py store --cells 10000", cells=True),
         Command(f"{ANALYSE} store/scale-10032 --no-plots"),
@@ -123,6 +131,7 @@ class Run:
     seconds: float
     stdout: str
     stderr: str
+    load: float | None = None  # the 1-minute load average when it started: its times are a shared machine's
 
 
 @dataclass
@@ -140,7 +149,8 @@ class Capture:
     def render(self) -> str:
         lines = [f"# {key}: {value}" for key, value in self.header.items()]
         for run in self.runs:
-            lines += ["", f"{MARK}$ {run.command}", f"{MARK}exit {run.exit} after {run.seconds:.1f} s; stdout:"]
+            load = "" if run.load is None else f", load average {run.load:.1f} at its start"
+            lines += ["", f"{MARK}$ {run.command}", f"{MARK}exit {run.exit} after {run.seconds:.1f} s{load}; stdout:"]
             lines += run.stdout.splitlines()
             if run.stderr:
                 lines += [f"{MARK}stderr:", *run.stderr.splitlines()]
@@ -160,8 +170,11 @@ class Capture:
                 streams.append(([], []))
                 stream = None
             elif line.startswith(f"{MARK}exit "):
-                status, seconds = re.fullmatch(rf"{MARK}exit (-?\d+) after ([\d.]+) s; stdout:", line).groups()
-                capture.runs[-1].exit, capture.runs[-1].seconds = int(status), float(seconds)
+                status, seconds, load = re.fullmatch(
+                    rf"{MARK}exit (-?\d+) after ([\d.]+) s(?:, load average ([\d.]+) at its start)?; stdout:",
+                    line).groups()
+                run = capture.runs[-1]
+                run.exit, run.seconds, run.load = int(status), float(seconds), None if load is None else float(load)
                 stream = streams[-1][0]
             elif line == f"{MARK}stderr:":
                 stream = streams[-1][1]
@@ -207,7 +220,7 @@ def cells_unchanged(since: str) -> bool:
 def run_command(command: Command, folder: Path) -> Run:
     # The python of this environment first, as `make` runs it; 100 columns, as the docs quote them.
     env = {**os.environ, "COLUMNS": "100", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    started = time.monotonic()
+    load, started = os.getloadavg()[0], time.monotonic()
     done = subprocess.run(command.line.replace("{root}", str(ROOT)), shell=True, cwd=folder, capture_output=True,
                           text=True, env=env, executable="/bin/bash")
     seconds = time.monotonic() - started
@@ -215,20 +228,21 @@ def run_command(command: Command, folder: Path) -> Run:
         raise SystemExit(f"regenerate_quotes: `{command.line}` exited with {done.returncode}, expected "
                          f"{command.expect}:\n{done.stderr[-3000:]}")
     scrub = lambda text: text.replace(str(folder.resolve()), "/...").replace(str(folder), "/...")  # noqa: E731
-    return Run(command.shown, done.returncode, seconds, _text(scrub(done.stdout)), _text(scrub(done.stderr)))
+    return Run(command.shown, done.returncode, seconds, _text(scrub(done.stdout)), _text(scrub(done.stderr)), load)
 
 
 def run_source(name: str, folder: Path, at: str) -> Capture:
     """Run every command of source ``name`` in ``folder`` (reusing its cells where they are still
     what this commit's code makes), and return what they printed."""
     source = SOURCES[name]
-    folder.mkdir(parents=True, exist_ok=True)
     ran_at = folder / "cells-commit"
     saved = folder / "cells-output.txt"
     reuse = ran_at.is_file() and saved.is_file() and cells_unchanged(ran_at.read_text().strip())
+    if not reuse:  # an empty folder, as a user's first run: a cell left from before would be skipped
+        shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True, exist_ok=True)
     cells_at = ran_at.read_text().strip() if reuse else at
     capture = Capture(name)
-    load = os.getloadavg()[0]  # the times a run prints are the machine's, shared or not
     for command in source.commands:
         if command.cells and reuse:
             capture.runs += Capture.parse(name, saved.read_text(encoding="utf-8")).runs
@@ -244,7 +258,7 @@ def run_source(name: str, folder: Path, at: str) -> Capture:
         "commit": at if cells_at == at else f"{cells_at} (cells), {at} (the rest)",
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "machine": f"{os.cpu_count()} CPUs, {platform.system()} {platform.machine()}, Python "
-                   f"{platform.python_version()}, load average {load:.1f} at the start",
+                   f"{platform.python_version()}",
         "regenerate": f"python docs/regenerate_quotes.py --only {name}",
     }
     return capture
@@ -297,9 +311,22 @@ def paragraph(lines: list[str], first: str) -> list[str]:
     return lines[start:end]
 
 
+#: The first line of a row a verdict's answer cites (indented under the answer, as its wrapped sentence is).
+CITED_ROW = re.compile(r"^      (replay|budget|selection|matched) \S+-\S+( pooled| b=\S+)?: ")
+
+
 def answers_only(lines: list[str]) -> list[str]:
-    """A verdict's headings and answers, without the rows each cites (indented deeper)."""
-    return [line for line in lines if not line.startswith("      ")]
+    """A verdict's headings and answers, from its first heading to its notes, without the rows each cites."""
+    introduction = next(i for i, line in enumerate(lines) if line.strip())
+    first = next(i for i in range(introduction, len(lines)) if not lines[i].strip()) + 1
+    kept, in_rows = [], False
+    for line in lines[first:]:
+        if line.startswith("notes on the answers"):
+            break
+        in_rows = bool(CITED_ROW.match(line)) or (in_rows and line.startswith("      "))
+        if not in_rows:
+            kept.append(line)
+    return kept
 
 
 def verdict(capture: Capture, analysis: str, outcome: str | None = None) -> list[str]:
@@ -308,10 +335,14 @@ def verdict(capture: Capture, analysis: str, outcome: str | None = None) -> list
 
 
 def demo_sweep(capture: Capture) -> str:
-    lines = capture.run("python -m ablate sweeps=smoke").stdout.splitlines()
-    middle = lines[len(lines) // 2]
-    return (f"At commit `{commit_of(capture)}` ({capture.header['machine']}) the sweep printed:\n\n"
-            + fenced("\n".join([lines[0], "...", middle, "...", lines[-1]])))
+    run = capture.run("python -m ablate sweeps=smoke")
+    lines = run.stdout.splitlines()
+    return (f"At commit `{commit_of(capture)}` ({capture.header['machine']}{_load(run)}) the sweep printed:\n\n"
+            + fenced("\n".join([lines[0], "...", lines[len(lines) // 2], "...", lines[-1]])))
+
+
+def _load(run: Run) -> str:
+    return "" if run.load is None else f", load average {run.load:.1f}"
 
 
 def demo_verdict(outcome: str | None) -> Callable[[Capture], str]:
@@ -344,6 +375,13 @@ def cli_errors(count: int) -> Callable[[Capture], str]:
     return excerpt
 
 
+def tuning_study(capture: Capture) -> str:
+    lines = capture.runs[0].stdout.splitlines()
+    shown = lines[:next(i for i, line in enumerate(lines) if line.startswith("Trials exported"))]
+    return (f"At commit `{commit_of(capture)}` ({capture.header['machine']}{_load(capture.runs[0])}; Hydra's "
+            "and Optuna's log lines, on stderr, left out):\n\n" + fenced("\n".join(shown)))
+
+
 def store_across(capture: Capture) -> str:
     lines = section(capture.run(ANALYSE).stdout, "verdict")
     return (f"At commit `{commit_of(capture)}`:\n\n"
@@ -356,8 +394,9 @@ BUDGET_SELECTION = f"{ANALYSE} runs/budget_selection"
 def budget_selection_run(capture: Capture) -> str:
     sweep, analysis = capture.runs[0], capture.run(BUDGET_SELECTION)
     tally = next(line for line in sweep.stdout.splitlines() if " complete, " in line)
-    return (f"Run at commit `{commit_of(capture)}` on {capture.header['date']} ({capture.header['machine']}). "
-            f"The sweep printed `{tally}`; the analysis took {analysis.seconds:.0f} s.")
+    return (f"Run at commit `{commit_of(capture)}`, analysed on {capture.header['date']} ({capture.header['machine']}"
+            f"). The sweep printed `{tally}`{_load(sweep).replace(', load', ' (load')}{')' if sweep.load else ''}; "
+            f"the analysis took {analysis.seconds:.0f} s.")
 
 
 def budget_selection_answers(capture: Capture) -> str:
@@ -393,9 +432,9 @@ def budget_selection_rows(outcome: str) -> Callable[[Capture], str]:
         lines = ["| row | family | mean | 95% interval (unadjusted) | p | `p_adj` | `p_equiv_adj` | seeds | claim |",
                  "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | --- |"]
         for row in rows:
-            where = "pooled" if row["pooled"] == "True" else f"b={float(row['budget']):g}"
-            name = f"{row['effect']} `{row['policy']} - {row['baseline']}`" + ("" if row["effect"] == "replay" else
-                                                                           f" {where}")
+            name = f"{row['effect']} `{row['policy']} - {row['baseline']}`"
+            if row["effect"] != "replay":
+                name += " pooled" if row["pooled"] == "True" else f" b={float(row['budget']):g}"
             interval = (f"[{_number(row['ci_low'])}, {_number(row['ci_high'])}]"
                         if _number(row["ci_low"]) not in ("", "-inf") else "none")
             lines.append(f"| {name} | {row['family'].split(':')[0].split(' (')[0]} | {_number(row['mean'])} | "
@@ -429,6 +468,7 @@ EXCERPTS: dict[str, Callable[[Capture], str]] = {
     "demo:verdict": demo_verdict(None),
     "demo:verdict-kl_k3_mean": demo_verdict("kl_k3_mean"),
     "demo:extension": demo_extension,
+    "tuning:study": tuning_study,
     "store_10k:across": store_across,
     "budget_selection:run": budget_selection_run,
     "budget_selection:answers": budget_selection_answers,

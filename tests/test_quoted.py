@@ -62,17 +62,21 @@ def test_a_saved_run_names_a_commit_of_this_repository(source):
         assert found.returncode == 0, f"docs/quoted/{source}.txt: commit {commit} is not in this repository"
 
 
-#: The first lines of a block that quotes what ablate printed (a prompt, a sweep, an answer, a verdict row).
-OUTPUT = re.compile(r"^(\$ python -m ablate|sweep \S+: |ablate: |\S+ \((lower|higher) is better|.*, p_adj )")
+#: A line of what ablate prints: a prompt, a sweep's line, an error, a verdict's heading or row, a study's line.
+OUTPUT = re.compile(r"^(\$ python -m ablate|sweep \S+: |ablate: |\S+ \((lower|higher) is better|.*, p_adj |"
+                    r"Study '|trial \d)")
 
 
 def test_no_output_is_quoted_outside_a_quoted_block():
+    # A fence without a language holds a run's output; a form with placeholders is fenced as ``text``.
     loose = []
     for page in quotes.pages():
-        inside = False
+        quoted = fenced = bare = False
         for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
-            inside = (inside or bool(quotes.BEGIN.match(line))) and line != quotes.END
-            if not inside and OUTPUT.match(line):
+            quoted = (quoted or bool(quotes.BEGIN.match(line))) and line != quotes.END
+            if line.startswith("```"):
+                fenced, bare = not fenced, not fenced and line == "```"
+            elif bare and not quoted and OUTPUT.match(line):
                 loose.append(f"{page.relative_to(ROOT)}:{number}: {line[:80]}")
     assert not loose, "output quoted by hand (quote it through docs/regenerate_quotes.py):\n" + "\n".join(loose)
 
