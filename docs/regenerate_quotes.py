@@ -212,9 +212,10 @@ def commit() -> str:
 
 
 def cells_unchanged(since: str) -> bool:
-    """Whether nothing that makes a cell changed between ``since`` and HEAD."""
-    changed = subprocess.run(["git", "diff", "--quiet", since, "HEAD", "--", *CELL_CODE], cwd=ROOT)
-    return changed.returncode == 0
+    """Whether ``since`` is in HEAD's history (a quote names it) and nothing that makes a cell changed since."""
+    ancestor = subprocess.run(["git", "merge-base", "--is-ancestor", since, "HEAD"], cwd=ROOT, capture_output=True)
+    changed = subprocess.run(["git", "diff", "--quiet", since, "HEAD", "--", *CELL_CODE], cwd=ROOT, capture_output=True)
+    return ancestor.returncode == 0 and changed.returncode == 0
 
 
 def run_command(command: Command, folder: Path) -> Run:
