@@ -83,7 +83,9 @@ def test_no_output_is_quoted_outside_a_quoted_block():
 
 
 def _timeless(text: str) -> str:
-    """A run's output without what differs from one run to the next: times, and a sweep's counts while it runs."""
+    """A run's output without what differs from one run to the next: times, the machine's load, and a sweep's
+    counts while it runs."""
+    text = re.sub(r"load average [\d.]+", "load average L", text)
     text = re.sub(r"\d+(?:\.\d+)? s\b", "N s", text)
     text = re.sub(r"\b\d+:\d\d(?::\d\d)?\b", "M:SS", text)
     text = re.sub(r"\d+ s/cell", "N s/cell", text)
