@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-verl test-verl-e2e test-wheel docs bench install clean
+.PHONY: demo test test-slow test-verl test-verl-e2e test-wheel docs docs-figures bench install clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,12 @@ test-wheel:
 
 docs:
 	PYTHON=$(PYTHON) bash .ci/docs.sh
+
+# Every output README.md and docs/ quote, run again at the current (committed) code: about 20 minutes
+# alone on 2 cores, most of it the budget_selection sweep (docs/development.md gives the times measured;
+# docs/regenerate_quotes.py says how to run less).
+docs-figures: $(STAMP)
+	$(BIN)/python docs/regenerate_quotes.py
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_policies.py

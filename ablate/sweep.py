@@ -41,6 +41,8 @@ from ablate.overrides import quoted_override
 from ablate.policies import fixed_budget_of, load_plugins
 from ablate.store import CellState, CellView, StoreError, inspect_cell, make_directory
 
+#: Off a terminal, progress is printed this many times over a sweep (and when a cell fails).
+LOG_STEPS = 10
 #: The words progress lines use for the states of the cells a sweep launches or waits for.
 PROGRESS_WORDS = {CellState.COMPLETE: "done", CellState.RUNNING: "running", CellState.FAILED: "failed",
                   CellState.INTERRUPTED: "interrupted", CellState.NEW: "left"}
@@ -308,8 +310,9 @@ class ProgressReporter:
 
     It polls the run store from a thread, so it works whichever launcher runs the cells (in
     process, joblib workers, Ray, SLURM): the store is the one place they all write to. On a
-    terminal it draws a tqdm bar; otherwise it prints a line whenever the counts change, which
-    reads well in a log file.
+    terminal it draws a tqdm bar; otherwise (a log file) it prints a line when the sweep starts,
+    each time another tenth of its cells has ended (:data:`LOG_STEPS`), at once when a cell fails
+    or is interrupted, and at the end: a line per change of the counts was two lines per cell.
     """
 
     def __init__(self, sweep: str, planned: Sequence[PlannedCell], interval: float = 1.0,
@@ -319,6 +322,9 @@ class ProgressReporter:
         self.started = time.monotonic()
         self._stop = threading.Event()
         self._last: tuple[int, ...] | None = None
+        self._shown: tuple[int, ...] | None = None
+        #: Off a terminal, a line each time this many more cells have ended.
+        self._log_step = max(1, -(-len(tracked(planned)) // LOG_STEPS))
         self._bar = None
         self.pace = Pace()
         self._tracked = tracked(planned)
@@ -338,7 +344,7 @@ class ProgressReporter:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.report()
+        self.report(final=True)
         if self._bar is not None:
             self._bar.close()
 
@@ -358,7 +364,7 @@ class ProgressReporter:
         while not self._stop.wait(self.interval):
             self.report()
 
-    def report(self) -> None:
+    def report(self, final: bool = False) -> None:
         states = {cell.directory: self._state(cell) for cell in self._tracked}
         counts = Counter(states.values())
         self.pace.update(states, time.monotonic())
@@ -371,9 +377,12 @@ class ProgressReporter:
                                       refresh=False)
             self._bar.refresh()
             return
-        key = tuple(counts[state] for state in PROGRESS_WORDS)
-        if key != self._last:
-            self._last = key
+        shown = tuple(counts[state] for state in PROGRESS_WORDS)
+        # A new line when another tenth of the cells has ended, a cell failed or was interrupted, and
+        # at the end, each only if the counts changed since the last line.
+        step = (finished(counts) // self._log_step, counts[CellState.FAILED], counts[CellState.INTERRUPTED])
+        if (step != self._last or final) and shown != self._shown:
+            self._last, self._shown = step, shown
             eta = self.pace.eta(states, time.monotonic())
             print(progress_line(self.sweep, counts, self.elapsed, eta), file=self.stream, flush=True)
 
@@ -388,6 +397,8 @@ TALLY_WORDS = {CellState.COMPLETE: "complete", CellState.FAILED: "failed", CellS
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 #: Cells named one per line under the tally; the dry run lists them all.
 MOST_PROBLEMS = 20
+#: The cells not run that the tally's one line for them names.
+NOT_RUN_NAMED = 3
 
 
 @dataclass(frozen=True)
@@ -402,6 +413,8 @@ class Tally:
     disk_full: int = 0
     #: What cells that completed warned of: in a sweep their log lines stay in each job's file.
     warnings: list[str] = field(default_factory=list)
+    #: The names of the cells the sweep did not reach (their lines are among ``problems``).
+    not_run: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -414,11 +427,19 @@ class Tally:
                 f"(results under {where or '-'})")
 
     def report(self, sweep: str, elapsed: float, where: Path | None, most: int = MOST_PROBLEMS) -> list[str]:
-        """The tally line, then one line per cell that did not complete (the first ``most`` of them)."""
-        shown = [f"  {problem}" for problem in self.problems[:most]]
-        if len(self.problems) > most:
-            shown.append(f"  ... and {len(self.problems) - most} more (hydra.sweeper.dry_run=true lists every cell "
+        """The tally line, then one line per cell that failed, was interrupted or is still running (the
+        first ``most`` of them), and one line for the cells not run: a stopped sweep leaves most of its
+        cells so, and a line for each said nothing the count does not."""
+        named = [problem for problem in self.problems if not problem.startswith("not run: ")]
+        shown = [f"  {problem}" for problem in named[:most]]
+        if len(named) > most:
+            shown.append(f"  ... and {len(named) - most} more (hydra.sweeper.dry_run=true lists every cell "
                          "with its state)")
+        if self.not_run:
+            first = ", ".join(self.not_run[:NOT_RUN_NAMED])
+            more = f" and {len(self.not_run) - NOT_RUN_NAMED} more" if len(self.not_run) > NOT_RUN_NAMED else ""
+            shown.append(f"  not run: {len(self.not_run)} cell{'s' if len(self.not_run) != 1 else ''} ({first}{more}); "
+                         "a rerun of the sweep runs them")
         shown += [f"  warning: {warning}" for warning in self.warnings[:most]]
         if len(self.warnings) > most:
             shown.append(f"  ... and {len(self.warnings) - most} more warnings (each cell's status.json lists its own)")
@@ -428,7 +449,7 @@ class Tally:
 def tally(planned: Sequence[PlannedCell]) -> Tally:
     """Count every cell by its state in the store; a cell that did not run never counts as done."""
     counts: Counter[CellState] = Counter()
-    problems, warnings = [], []
+    problems, warnings, not_run = [], [], []
     disk_full = 0
     for cell in tracked(planned):
         ended, view = outcome(cell)
@@ -445,6 +466,7 @@ def tally(planned: Sequence[PlannedCell]) -> Tally:
             problems.append(f"still running: {name}: {view.detail} ({where}); its worker had not ended when the "
                             "sweep did")
         elif ended is not CellState.COMPLETE:
+            not_run.append(name)
             problems.append(f"not run: {name}: {view.detail or 'the launcher did not run it'} ({where}); a rerun "
                             "of the sweep runs it")
-    return Tally(counts, len(planned) - len(tracked(planned)), problems, disk_full, warnings)
+    return Tally(counts, len(planned) - len(tracked(planned)), problems, disk_full, warnings, not_run)

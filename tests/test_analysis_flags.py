@@ -162,7 +162,7 @@ def test_the_flags_table_has_policy_and_budget_as_columns_as_its_docs_say():
 
 
 def test_where_no_flag_can_be_reached_the_flags_section_says_so_and_why():
-    from ablate.analysis.printer import flags_text
+    from ablate.analysis.flags import flags_text
 
     rng = np.random.default_rng(9)
     healthy = {("random", b): {**FULL} for b in (0.1, 0.25, 0.5)}

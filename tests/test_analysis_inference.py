@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from ablate.analysis.families import parse_selector
+from ablate.analysis.selectors import parse_selector
 from ablate.analysis.paired import paired_effect
 from ablate.analysis.power import min_detectable_effect, plan, power, seeds_needed
 from ablate.analysis.settings import AnalysisSettings

@@ -99,3 +99,80 @@ def test_a_sweep_of_many_settings_draws_a_few_spread_from_the_first_to_the_last(
     paths = plots.plot_step_curves(steps, tmp_path / "steps", by=["backend.router_noise"])
     svg = next(p for p in paths if p.suffix == ".svg").read_text()
     assert "backend.router_noise=0.37" in svg and "backend.router_noise=0.18" not in svg
+
+
+#: What each figure the analysis writes draws, as its title begins (``{o}``: the outcome).
+SUBJECTS = {"budget_response": "{o} vs budget", "selection_effects": "selection effects on {o}",
+            "effective_budget": "{o} vs effective budget", "steps": "train/reward and mismatch/kl_k3 per step",
+            "collapse_survival": "time to collapse"}
+SVG = {"svg": "http://www.w3.org/2000/svg"}
+
+
+def title_names_what_is_drawn(stem: str, title: str) -> bool:
+    """A figure's title is short text that begins with what the figure draws (a table printed into it is not)."""
+    kind = next(name for name in SUBJECTS if stem == name or stem.startswith(name + "_"))
+    outcome = stem[len(kind) + 1:]
+    return title.startswith(SUBJECTS[kind].format(o=outcome)) and len(title) <= 320 and "\n" not in title
+
+
+def svg_layout(path):
+    """(title, the bottom of the title's last line, each axes as (left, top, right, bottom)) of an SVG the
+    analysis wrote, in points from its top left corner."""
+    import re
+    import xml.etree.ElementTree as ElementTree
+
+    root = ElementTree.parse(path).getroot()
+    figure = root.find(".//svg:g[@id='figure_1']", SVG)
+    boxes, lines = [], []
+    for group in figure.findall("svg:g", SVG):
+        if group.get("id", "").startswith("axes_"):
+            background = group.find("svg:g/svg:path", SVG)  # an axes is drawn from its background patch up
+            numbers = [float(v) for v in re.findall(r"-?\d+(?:\.\d+)?", background.get("d"))]
+            boxes.append((min(numbers[0::2]), min(numbers[1::2]), max(numbers[0::2]), max(numbers[1::2])))
+        elif group.get("id", "").startswith("text_"):  # the figure's own text: its title, line by line
+            for line in group.findall("svg:text", SVG):
+                baseline = float(line.get("y") or re.search(r"translate\(\S+ (\S+)\)", line.get("transform")).group(1))
+                lines.append((baseline + 0.3 * float(re.search(r"font-size: ([\d.]+)px", line.get("style")).group(1)),
+                              line.text or ""))
+    return root.find("svg:title", SVG).text, max((bottom for bottom, _ in lines), default=0.0), boxes
+
+
+def grid(sweep_dir, policies, budgets, seeds, noises=(0.07,)):
+    from tests.test_analysis_store import write_cell
+
+    for noise in noises:
+        for seed in range(seeds):
+            for policy in policies:
+                for budget in {"none": [0.0], "full": [1.0]}.get(policy, budgets):
+                    write_cell(sweep_dir, policy, budget, seed, backend={"router_noise": noise})
+
+
+@pytest.mark.parametrize("shape", ["one budget", pytest.param("one policy", marks=pytest.mark.slow),
+                                   pytest.param("many contexts", marks=pytest.mark.slow)])
+def test_every_figure_of_every_grid_shape_has_room_for_its_axes_and_a_title_naming_it(tmp_path, capsys, shape):
+    from PIL import Image
+
+    from ablate.analysis.cli import main
+
+    sweep_dir = tmp_path / "runs" / "toy"
+    if shape == "one budget":  # the grid of issue 39: one budget, so the step curves are one panel wide
+        grid(sweep_dir, ["none", "full", "random", "mismatch"], [0.25], 6)
+    elif shape == "one policy":
+        grid(sweep_dir, ["random"], [0.1, 0.5], 3)
+    else:  # more values of a setting than a figure draws
+        grid(sweep_dir, ["none", "full", "random", "fisher"], [0.5], 2, noises=[0.01 * i for i in range(8)])
+    out = tmp_path / "analysis"
+    assert main([str(sweep_dir), "--out", str(out), "--reps", "50", "--survival"]) == 0
+    printed = capsys.readouterr()
+    # No library's warning reaches the console (it was matplotlib's, at 177 characters).
+    assert "Warning" not in printed.err and "warning" not in printed.out.lower(), printed.err
+    figures = sorted(out.glob("*.svg"))
+    assert len(figures) == 8  # three per outcome, the step curves, the collapse curves
+    for svg in figures:
+        title, title_bottom, boxes = svg_layout(svg)
+        assert title_names_what_is_drawn(svg.stem, title), (svg.name, title)
+        with Image.open(svg.with_suffix(".png")) as png:
+            assert png.text["Title"] == title
+        assert boxes, svg.name
+        for left, top, right, bottom in boxes:  # every panel at least an inch each way, below the title
+            assert right - left >= 72 and bottom - top >= 72 and top >= title_bottom, (svg.name, boxes, title_bottom)

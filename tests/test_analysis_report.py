@@ -42,7 +42,7 @@ def test_report_is_one_self_contained_file(report):
     assert "seeds per arm: 6" in text and "|effect| &lt; 0.05" in text
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="needs chromium (apt-get install -y chromium)")
+@pytest.mark.skipif(CHROMIUM is None, reason="needs chromium: bash .ci/chromium.sh installs it")
 def test_report_renders_offline_in_headless_chromium(report, tmp_path):
     probed = tmp_path / "probed.html"
     probed.write_text(report.read_text().replace("</body>", PROBE + "</body>"))
@@ -76,13 +76,32 @@ def test_report_leads_with_the_verdict_and_holds_every_arm_step_by_step(report):
     assert text.index('alt="steps"') > text.index("<h2>Every arm step by step</h2>")
 
 
+def test_every_figure_of_the_report_is_captioned_with_its_title_naming_what_it_draws(report):
+    import base64
+    import html
+    import io
+    import re
+
+    from PIL import Image
+
+    from tests.test_analysis_plots import title_names_what_is_drawn
+
+    figures = re.findall(r'<img alt="([^"]+)" src="data:image/png;base64,([^"]+)"><figcaption>([^<]*)</figcaption>',
+                         report.read_text())
+    assert len(figures) == 2 * 3 + 1
+    for stem, data, caption in figures:
+        with Image.open(io.BytesIO(base64.b64decode(data))) as png:
+            title = png.text["Title"]
+        assert html.unescape(caption) == title and title_names_what_is_drawn(stem, title), (stem, title)
+
+
 # Opens every folded section and records the page's width at the window's width.
 WIDTH = ("<script>window.addEventListener('load', () => { document.querySelectorAll('details').forEach(d => "
          "d.open = true); document.body.setAttribute('data-width', document.documentElement.scrollWidth + ' ' + "
          "window.innerWidth); });</script>")
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="needs chromium (apt-get install -y chromium)")
+@pytest.mark.skipif(CHROMIUM is None, reason="needs chromium: bash .ci/chromium.sh installs it")
 def test_report_fits_a_1280_pixel_window_without_a_horizontal_scroll_bar(report, tmp_path):
     probed = tmp_path / "width.html"
     probed.write_text(report.read_text().replace("</body>", WIDTH + "</body>"))

@@ -11,30 +11,40 @@ import pytest
 from ablate.analysis.verdict import read_verdict, render
 
 COLUMNS = ["effect", "policy", "baseline", "budget", "pooled", "mean", "ci_adj_low", "ci_adj_high", "p_value",
-           "p_adj", "family", "claim", "n_seeds"]
+           "p_adj", "family", "claim", "n_seeds", "note"]
 
 
 def row(effect, policy, baseline, claim, *, mean=-1.0, p_adj=0.5, family="exploratory pooled", budget=math.nan,
-        pooled=True, n=6):
+        pooled=True, n=6, note=""):
     spread = abs(mean) / 10  # an interval that excludes 0, as a claim's does
     low, high = (mean - spread, mean + spread) if claim != "inconclusive" else (-math.inf, math.inf)
-    return [effect, policy, baseline, budget, pooled, mean, low, high, p_adj, p_adj, family, claim, n]
+    if n < 6:
+        low = high = math.nan  # too few seeds: no interval at all
+    return [effect, policy, baseline, budget, pooled, mean, low, high, p_adj, p_adj, family, claim, n, note]
 
 
-def table(*rows, margin=None, keys=()):
+def table(*rows, margin=None, keys=(), primary=()):
     frame = pd.DataFrame([list(r) for r in rows], columns=[*keys, *COLUMNS])
-    frame.attrs.update(by=list(keys), margin=margin)
+    frame.attrs.update(by=list(keys), margin=margin, min_seeds=6, primary=list(primary))
     return frame
 
 
-def answers(*rows, margin=None, plan=None):
-    effects = table(*rows, margin=margin)
+def answers(*rows, margin=None, plan=None, primary=()):
+    effects = table(*rows, margin=margin, primary=primary)
     found = read_verdict({"kl_k3_mean": effects}, {"kl_k3_mean": plan} if plan is not None else None)
     return {answer.subject: answer for answer in found}
 
 
 REPLAY = row("replay", "full", "none", "differs", mean=-0.0066, p_adj=0.031, family="primary 1: replay",
              pooled=False)
+#: The matched row of issue 38 as the demo printed it: 5 seeds (one dropped outside random's range), every one
+#: favouring mismatch, p 0.0625 (the smallest 5 seeds allow), inconclusive: not shown to differ, nor shown equal.
+MATCHED_5_SEEDS = row("matched_selection", "mismatch", "random", "inconclusive", mean=-0.00049, p_adj=0.062,
+                      family="primary 3: matched_selection:mismatch:random@pooled", n=5,
+                      note="5 paired seeds < 6: no interval, too few for a claim; pooled over budgets 0.1, 0.5; "
+                           "1 seed(s) dropped, missing at budget 0.5: outside random's effective-budget range")
+RAW_MISMATCH = row("selection", "mismatch", "random", "differs", mean=-0.0038, p_adj=0.031,
+                   family="primary 2: selection:mismatch:random@pooled")
 
 
 def test_replay_that_differs_changes_the_outcome_and_cites_its_row():
@@ -44,22 +54,86 @@ def test_replay_that_differs_changes_the_outcome_and_cites_its_row():
     assert cited.text() == "replay full-none: -0.0066 [-0.0073, -0.0059], p_adj 0.031, primary 1"
 
 
-def test_a_policy_that_wins_raw_but_not_matched_wins_by_how_many_routes_it_changes():
-    found = answers(
-        REPLAY,
-        row("budget", "random", "none", "inconclusive", p_adj=0.3),
-        row("selection", "mismatch", "random", "differs", mean=-0.0046, p_adj=0.031, family="primary 2: s"),
-        row("matched_selection", "mismatch", "random", "inconclusive", mean=-0.00044, p_adj=0.25,
-            family="primary 3: m"),
-    )["mismatch"]
-    assert found.finding == "budget"
-    assert "lowers it more than random by how many routes it changes (budget), not which" in found.sentence
-    assert [cited.effect for cited in found.evidence] == ["selection", "matched_selection"]
-    assert [cited.family for cited in found.evidence] == ["primary 2", "primary 3"]
+def test_the_issues_five_seed_matched_row_is_not_read_as_budget_not_which():
+    found = answers(REPLAY, row("budget", "random", "none", "inconclusive", p_adj=0.3), RAW_MISMATCH, MATCHED_5_SEEDS,
+                    margin=0.001)["mismatch"]
+    # Raw, mismatch beats random; at a matched effective budget nothing is shown either way, so how many routes
+    # it changes and which are not told apart: no "budget", no "not which".
+    assert found.finding == "not determined"
+    assert "not which" not in found.sentence and "budget" not in found.finding
+    assert found.sentence.startswith("it lowers it more than random at the same budget, by how many routes it "
+                                     "changes or by which: not told apart; ")
+    # The five seeds are reconciled with the sweep's six: one dropped, and why.
+    assert ("the matched row's 5 paired seeds (1 seed(s) dropped, missing at budget 0.5: outside random's "
+            "effective-budget range) are too few for any claim") in found.sentence
+    assert [cited.effect for cited in found.evidence] == ["selection", "matched_selection", "budget"]
+    assert [cited.family for cited in found.evidence] == ["primary 2", "primary 3", "exploratory pooled"]
+    # "(no interval)" says why: too few seeds, not a family too large to reject.
+    assert found.evidence[1].text() == ("matched mismatch-random pooled: -0.00049 no interval (5 seeds < 6), "
+                                        "p_adj 0.062, primary 3")
+    assert found.evidence[2].text().endswith("[-inf, inf], p_adj 0.3, exploratory pooled")
+
+
+#: The claims of the budget row B, the raw row R and the matched row M, the answer they support, and words it
+#: must say. Every answer appears with the rows that support it and, beside it, one claim short of that.
+WITHIN, OPEN, DIFFERS = "within ±0.001", "inconclusive", "differs"
+ANSWERS = [
+    ((DIFFERS, OPEN, DIFFERS), "both", "how many routes are replayed changes it (random - none), and it lowers it "
+                                       "by which routes it picks"),
+    ((WITHIN, OPEN, DIFFERS), "selection", "how many routes random replays leaves it within ±0.001 of none"),
+    ((OPEN, OPEN, DIFFERS), "selection at least", "whether how many routes are replayed matters too is not "
+                                                  "determined: the budget row's 6 paired seeds do not settle it"),
+    ((OPEN, DIFFERS, WITHIN), "budget", "it lowers it more than random at the same budget by how many routes it "
+                                        "changes, not which (within ±0.001 of random at the same share"),
+    ((DIFFERS, OPEN, WITHIN), "budget", "which routes it picks does not (within ±0.001 of random"),
+    ((DIFFERS, OPEN, OPEN), "budget at least", "whether which routes it picks adds to that is not determined: the "
+                                               "matched row's 6 paired seeds do not settle it"),
+    ((OPEN, DIFFERS, OPEN), "not determined", "by how many routes it changes or by which: not told apart"),
+    ((WITHIN, WITHIN, WITHIN), "neither", "within the margin of none by budget, and of random by selection"),
+    ((OPEN, WITHIN, WITHIN), "no selection effect", "whether how many does is not determined: the budget row's"),
+    ((WITHIN, OPEN, WITHIN), "no selection effect", "whether how many does is not determined: the raw row's"),
+    ((OPEN, OPEN, WITHIN), "no selection effect", "whether how many does is not determined: the budget row's"),
+    ((OPEN, OPEN, OPEN), "not determined", "the matched row's 6 paired seeds do not settle it"),
+]
+
+
+def policy_rows(claims):
+    """The budget, raw and matched rows of fisher with these claims (a claim of a difference: -0.002)."""
+    questions = [("budget", "random", "none"), ("selection", "fisher", "random"),
+                 ("matched_selection", "fisher", "random")]
+    return [row(*question, claim, mean=-0.002 if claim == DIFFERS else -1e-4)
+            for question, claim in zip(questions, claims)]
+
+
+@pytest.mark.parametrize(("claims", "finding", "words"), ANSWERS)
+def test_each_answer_is_given_exactly_where_its_rows_support_it(claims, finding, words):
+    found = answers(*policy_rows(claims), margin=0.001)["fisher"]
+    assert (found.finding, words in found.sentence) == (finding, True), found.sentence
+    # Every claim the answer makes stands on a row it cites.
+    cited = {cited.effect: cited.claim for cited in found.evidence}
+    shown = {"selection": ("matched_selection", DIFFERS), "both": ("budget", DIFFERS),
+             "neither": ("matched_selection", WITHIN), "no selection effect": ("matched_selection", WITHIN)}
+    if finding in shown:
+        effect, claim = shown[finding]
+        assert cited[effect] == claim
+    if finding == "budget":
+        assert cited["matched_selection"] == WITHIN and DIFFERS in (cited.get("selection"), cited.get("budget"))
+
+
+@pytest.mark.parametrize(("claims", "finding", "words"), ANSWERS)
+def test_one_claim_less_and_the_answer_is_no_longer_given(claims, finding, words):
+    # Weaken each shown claim in turn to "inconclusive": the answer the rows no longer support is not given.
+    supported = {tuple(c): f for c, f, _ in ANSWERS}
+    for position, claim in enumerate(claims):
+        if claim == OPEN:
+            continue
+        weaker = tuple(OPEN if i == position else c for i, c in enumerate(claims))
+        found = answers(*policy_rows(weaker), margin=0.001)["fisher"]
+        assert found.finding != finding or supported.get(weaker) == finding, (claims, weaker, found.sentence)
 
 
 @pytest.mark.parametrize("budget_claim, expected", [("differs", "both"), ("within ±0.001", "selection"),
-                                                    ("inconclusive", "selection")])
+                                                    ("inconclusive", "selection at least")])
 def test_selection_is_claimed_only_from_the_matched_row(budget_claim, expected):
     rows = [row("budget", "random", "none", budget_claim),
             row("selection", "fisher", "random", "inconclusive"),
@@ -68,7 +142,7 @@ def test_selection_is_claimed_only_from_the_matched_row(budget_claim, expected):
     # The raw row alone, however strong, never makes a selection claim.
     raw_only = [rows[0], row("selection", "fisher", "random", "differs", p_adj=0.01),
                 row("matched_selection", "fisher", "random", "inconclusive")]
-    assert answers(*raw_only, margin=0.001)["fisher"].finding == "budget"
+    assert "selection" not in answers(*raw_only, margin=0.001)["fisher"].finding
 
 
 def test_no_effect_only_where_the_equivalence_test_shows_it():
@@ -88,15 +162,34 @@ def test_no_effect_only_where_the_equivalence_test_shows_it():
 def test_undetermined_names_the_seeds_the_plan_gives_for_the_open_row():
     rows = [row("budget", "random", "none", "differs", p_adj=0.01),
             row("selection", "fisher", "random", "inconclusive"),
-            row("matched_selection", "fisher", "random", "inconclusive")]
+            row("matched_selection", "fisher", "random", "inconclusive", mean=-0.0003)]
     plan = pd.DataFrame({"seeds_for_observed": [6.0, 40.0, 14.0]})
     found = answers(*rows, margin=0.001, plan=plan)["fisher"]
-    assert found.finding == "not determined"
-    # The open question is the matched row (is it selection?): its 14 seeds, not the raw row's 40.
-    assert "the budget changes it" in found.sentence and "14 would give 80% power for the observed effect" in found.sentence
+    assert found.finding == "budget at least"
+    # The open question is the matched row (does the choice add?): its 14 seeds, not the raw row's 40, planned
+    # from the effect it observed.
+    assert "how many routes are replayed changes it (random - none)" in found.sentence
+    assert ("about 14 would show a difference with 80% power if the true effect is the observed -0.0003"
+            in found.sentence)
     plan = pd.DataFrame({"seeds_for_detect": [6.0, 9.0, math.nan], "detect": [0.002] * 3})
     found = answers(*rows, margin=0.001, plan=plan)["fisher"]
-    assert "no seed count up to 64 gives 80% power for an effect of +0.002" in found.sentence
+    assert "no seed count up to 64 detects an effect of +0.002 with 80% power" in found.sentence
+
+
+def test_a_question_whose_arms_have_no_cells_yet_is_said_to_be_not_yet_answerable():
+    # A sweep stopped after none, full and random: replay and the budget are asked; the selection questions its
+    # sweep file declares have no rows at all.
+    primary = ("replay", "selection:mismatch:random@pooled", "matched_selection:mismatch:random@pooled",
+               "selection:fisher:random@pooled")
+    found = answers(REPLAY, row("budget", "random", "none", "inconclusive"), primary=primary)
+    assert found["replay"].finding == "changes" and found["random"].finding == "not determined"
+    assert found["mismatch"].finding == found["fisher"].finding == "no cells yet"
+    assert found["mismatch"].sentence == ("primary question 2 (selection:mismatch:random@pooled) needs cells of "
+                                          "mismatch and random at one budget")
+    assert not found["fisher"].evidence
+    empty = read_verdict({"kl_k3_mean": table(primary=primary)})
+    assert [answer.subject for answer in empty] == ["replay", "random", "mismatch", "fisher"]
+    assert {answer.finding for answer in empty} == {"no cells yet"}
 
 
 def test_a_primary_row_is_read_first_then_the_pooled_row_then_the_best_budget():
@@ -215,3 +308,42 @@ def test_the_verdict_of_a_real_smoke_sweep_reads_its_declared_outcomes_and_trace
         effects = pd.read_csv(tmp_path / "runs/smoke/analysis" / f"effects_{outcome}.csv")
         assert traced_rows(printed, outcome, effects) >= 4  # replay, budget, mismatch raw and matched
     assert max(len(line) for line in printed.splitlines()) <= 100
+
+
+def test_a_stopped_sweep_says_which_questions_it_can_already_answer(tmp_path, capsys, monkeypatch):
+    from ablate.analysis.cli import main
+    from tests.test_analysis_store import write_cell
+
+    declared = {"outcomes": ["kl_k3_mean"], "margins": {"kl_k3_mean": 0.001},
+                "primary": ["replay", "selection:mismatch:random@pooled", "selection:fisher:random@pooled"]}
+    sweep_dir = tmp_path / "runs" / "smoke"
+    for seed in range(6):  # stopped after none, full and random: no cell of mismatch or fisher yet
+        for policy, budget in [("none", 0.0), ("full", 1.0), ("random", 0.25), ("random", 0.5)]:
+            write_cell(sweep_dir, policy, budget, seed, analysis=declared)
+    monkeypatch.setenv("COLUMNS", "100")
+    assert main([str(sweep_dir), "--out", str(tmp_path / "out"), "--reps", "50", "--no-plots"]) == 0
+    printed = capsys.readouterr().out
+    verdict = printed.split("## verdict")[1].split("\n## ")[0]
+    assert "\n  replay: " in verdict and "\n  random: " in verdict  # answered, whatever the answer
+    words = " ".join(verdict.split())  # the lines as one text, whatever their wrapping
+    assert ("mismatch: no cells yet - primary question 2 (selection:mismatch:random@pooled) needs cells of "
+            "mismatch and random at one budget") in words
+    assert "\n  fisher: no cells yet - primary question 3" in verdict
+
+
+def test_a_store_without_a_pair_of_arms_prints_no_legend_without_a_table(tmp_path, capsys, monkeypatch):
+    from ablate.analysis.cli import main
+    from tests.test_analysis_store import write_cell
+
+    sweep_dir = tmp_path / "runs" / "toy"
+    for seed in range(3):
+        write_cell(sweep_dir, "fisher", 0.5, seed)  # one arm: nothing to pair it with
+    monkeypatch.setenv("COLUMNS", "100")
+    assert main([str(sweep_dir), "--out", str(tmp_path / "out"), "--reps", "50", "--no-plots",
+                 "--outcome", "kl_k3_mean"]) == 0
+    printed = capsys.readouterr().out
+    effects = printed.split("## effects on kl_k3_mean (paired by seed)")[1].split("\n## ")[0]
+    assert effects.strip().startswith("no effect rows: replay needs cells of none and full")
+    assert "ci_adj_low" not in effects and "| " not in effects  # no legend, no table
+    verdict = printed.split("## verdict")[1].split("\n## ")[0]
+    assert "replay: no cells yet" in verdict and "notes on the answers" not in verdict

@@ -5,8 +5,10 @@ run store is real, filled by ``run_cell`` on the noop backend or written directl
 needs a state that only a crash produces.
 """
 
+import io
 import itertools
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -25,6 +27,7 @@ from ablate.config import ConfigError
 from ablate.runner import run_cell
 from ablate.store import CellState, read_json
 from ablate.sweep import (
+    ProgressReporter,
     outcome,
     tracked,
     describe_plan,
@@ -149,6 +152,30 @@ def test_the_tally_counts_only_what_the_store_holds(tmp_path):
     assert result.counts == Counter({CellState.COMPLETE: 2, CellState.NEW: 3}) and result.skipped == 1
     assert result.line("g", 5.0, tmp_path).startswith("sweep g: 2 complete, 0 failed, 3 not run, 1 skipped in 0:05")
     assert not result.ok and all(p.startswith("not run: random-b") for p in result.problems)
+    # A stopped sweep leaves most of its cells not run: one line counts them, naming the first few.
+    assert result.report("g", 5.0, tmp_path)[1:] == [
+        f"  not run: 3 cells ({', '.join(result.not_run)}); a rerun of the sweep runs them"]
+    assert len(result.not_run) == 3 and not tally(list(planned.values())).report("g", 5.0, tmp_path, most=0)[2:]
+
+
+def test_off_a_terminal_progress_is_a_line_per_tenth_of_the_cells_and_a_failure_at_once(tmp_path):
+    compose = composer(tmp_path)
+    planned = plan_grid(grid(policy=["random"], budget=[0.1, 0.2, 0.3, 0.4, 0.5], seed=[0, 1, 2, 3]), compose)
+    log = io.StringIO()  # a log file: no bar, lines
+    reporter = ProgressReporter("g", planned, stream=log)
+    reporter.report()
+    for index, cell in enumerate(planned):
+        run_cell(compose(cell.overrides))
+        if index == 4:
+            set_status(cell.directory, "failed")
+        reporter.report()
+    counts = [tuple(int(re.search(rf"(\d+) {word}", line).group(1)) for word in ("done", "failed"))
+              for line in log.getvalue().splitlines()]
+    # The start, then a line each time two more of the 20 cells have ended (not two lines a cell), and
+    # the failure of the fifth cell at once.
+    assert counts == [(0, 0), (2, 0), (4, 0), (4, 1), (5, 1), *((n - 1, 1) for n in range(8, 21, 2))]
+    reporter.report(final=True)  # the end says the counts once more only if they changed
+    assert len(log.getvalue().splitlines()) == len(counts)
 
 
 def test_a_failed_rerun_is_failed_and_an_old_failure_is_only_left(tmp_path):

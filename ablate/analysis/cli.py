@@ -37,10 +37,10 @@ from ablate.analysis.compare import parse_comparison
 from ablate.analysis.compute import analyse, design_lines
 from ablate.analysis.export import export_table, to_markdown
 from ablate.analysis.extras import MissingExtraError
-from ablate.analysis.families import parse_selector
 from ablate.analysis.load import CorruptCellError, ExcludedCellsWarning, find_sweep, load_runs, parse_where, read_sweep
 from ablate.analysis.printer import Printer, effects_legend
 from ablate.analysis.probe_effects import PROBE_OUTCOMES, across_cells, step_effects, within_run
+from ablate.analysis.selectors import parse_selector
 from ablate.analysis.settings import INTERVAL_METHODS, AnalysisSettings, parse_outcome_values
 from ablate.analysis.stats import ADJUSTMENTS
 from ablate.analysis.tables import arm_keys
@@ -168,6 +168,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     printable_output()
     arguments = sys.argv[1:] if argv is None else list(argv)
+    # Library warnings (matplotlib, pandas, numpy, W&B) stay off the console: each says something of the
+    # library's own workings, at a line of its caller. What matters to the user ablate says in its own words
+    # (its own warning classes), once each, after the output.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            return _main(arguments)
+        finally:
+            for message in dict.fromkeys(str(w.message) for w in caught if w.category.__module__.startswith("ablate")):
+                print(f"ablate-analyze: warning: {message}", file=sys.stderr)
+
+
+def _main(arguments: list[str]) -> int:
     try:
         args = build_parser().parse_args(arguments)
         # Records near the float limit overflow in a mean: the rows say inf, the console no warning.

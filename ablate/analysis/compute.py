@@ -19,6 +19,7 @@ from ablate.analysis.compare import compare_values
 from ablate.analysis.declared import DEFAULT_OUTCOMES, declared_of
 from ablate.analysis.dropped import dropped_line
 from ablate.analysis.flags import flag_policies
+from ablate.analysis.selectors import parse_selector
 from ablate.outcomes import OUTCOME_NAMES
 from ablate.analysis.settings import AnalysisSettings
 from ablate.analysis.tables import arm_keys, effects, summarize
@@ -162,7 +163,6 @@ class Extension:
 
 def extension(result: SweepAnalysis) -> Extension:
     """What the power plans of the primary rows (else the replay rows) ask for, over every outcome."""
-    from ablate.analysis.families import parse_selector
     from ablate.analysis.power import extension_command, seeds_to_run
     from ablate.policies.roles import FULL_REPLAY, NO_REPLAY
 

@@ -157,6 +157,7 @@ def log_summary_table(
         dir=None if dir is None else str(dir),
         config={"sweep": group, **{k: v for k, v in table.attrs.items() if isinstance(v, (str, int, float))}},
         reinit="create_new",
+        settings=wandb.Settings(silent=True, console="off"),  # the command's output, not W&B's banners
     )
     try:
         run.log({key: wandb.Table(dataframe=flat)})

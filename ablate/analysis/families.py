@@ -6,15 +6,7 @@ selection) and its pooled rows apart. Each is adjusted with ``adjust`` (Holm by 
 labelled ``exploratory``: with 6 seeds and 17 rows no claim survives, and the table says so.
 
 **Primary questions** (``--primary``, or ``analysis.primary`` in the sweep file) are row
-selectors in the order they are asked::
-
-    KIND[:POLICY:BASELINE][@BUDGET|@pooled]
-
-    replay                              full - none
-    selection:fisher:random@pooled      fisher against random, pooled over budgets
-    selection:fisher:random             ... and at every budget
-
-``KIND`` is ``replay``, ``budget``, ``selection``, ``matched_selection`` or ``compare``. The rows
+selectors in the order they are asked (:mod:`ablate.analysis.selectors`). The rows
 a selector matches (in every context) form gate ``k``; rows matched by an earlier selector stay
 in the earlier gate. **Serial gatekeeping** spends the whole ``alpha`` in order: gate 1 is
 tested with ``adjust`` (Holm) at ``alpha``; gate ``k + 1`` is tested only if every hypothesis of
@@ -32,36 +24,15 @@ adjusted interval excludes 0 exactly when ``p_adj < alpha``; a row behind a clos
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
 
 from ablate.analysis.paired import paired_interval
+from ablate.analysis.selectors import parse_selector
 from ablate.analysis.settings import AnalysisSettings
 from ablate.analysis.stats import adjust_pvalues, interval_alphas
-from ablate.questions import Question, parse_question
-
-
-@dataclass(frozen=True)
-class Selector(Question):
-    """One primary question: which effect rows it names (see the module doc)."""
-
-    def matches(self, table: pd.DataFrame) -> pd.Series:
-        mask = table["effect"] == self.kind
-        if self.policy is not None:
-            mask &= (table["policy"] == self.policy) & (table["baseline"] == self.baseline)
-        if self.pooled is not None:
-            mask &= table["pooled"] == self.pooled
-        if self.budget is not None:
-            mask &= np.isclose(table["budget"].astype(float), self.budget)
-        return mask
-
-
-def parse_selector(text: str, source: str = "--primary") -> Selector:
-    """``"selection:fisher:random@pooled"`` -> a :class:`Selector`; a bad one is one clear error."""
-    return Selector(**asdict(parse_question(text, source)))
 
 
 def default_families(table: pd.DataFrame, keys: Sequence[str]) -> pd.Series:

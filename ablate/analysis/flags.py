@@ -45,12 +45,14 @@ than the margin" does.
 from __future__ import annotations
 
 import math
+import textwrap
 from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
 
 from ablate.outcomes import HIGHER_IS_BETTER
+from ablate.analysis.compact import fit
 from ablate.analysis.paired import paired_interval
 from ablate.analysis.settings import AnalysisSettings
 from ablate.analysis.signflip import SignFlip
@@ -282,3 +284,37 @@ class _Judge:
             verdict["reason"] = (f"too weak: {outcome} within ±{margin:g} of none's (reduction "
                                  f"{reduction.mean():+.3g}, equivalence p {verdict['p']:.2g})")
         return verdict
+
+
+def flags_text(flags: pd.DataFrame, width: int = 100) -> list[str]:
+    """The flags that fired, or why none could: the lines of the flags section."""
+    if flags.empty:
+        return ["no arms to judge"]
+    fired = flags[flags["too_restrictive"] | flags["too_weak"]]
+    keys = list(flags.attrs.get("by", []))
+    alpha = 1.0 - flags.attrs["level"]
+    lines = []
+    asked = {kind: counts for kind, counts in flags.attrs["questions"].items() if counts[0]}
+    unreachable = {kind: smallest_p_adj(questions, smallest, flags.attrs["adjust"])
+                   for kind, (questions, _, smallest) in asked.items()}
+    unreachable = {kind: best for kind, best in unreachable.items() if best >= alpha}
+    why = ", ".join(f"a '{kind}' question {best:.2g} ({asked[kind][0]} questions, each at best p "
+                    f"{asked[kind][2]:.2g})" for kind, best in unreachable.items())
+    seeds = max((counts[1] for counts in asked.values()), default=0)
+    if not fired.empty:
+        lines.append(fit(fired[[*keys, "policy", "budget", "reason"]], width))
+    elif unreachable and len(unreachable) == len(asked):
+        lines += textwrap.wrap(
+            f"no flag can be reached at these seeds ({seeds} paired with none): after {flags.attrs['adjust']} "
+            f"over the questions of a context, the smallest p_adj is for {why}; a flag needs it below "
+            f"{alpha:.2g}, so more seeds, or fewer arms per context, are needed before an arm can be flagged", width)
+    else:
+        lines.append("no arm flagged as too restrictive or too weak")
+    if unreachable and (not fired.empty or len(unreachable) < len(asked)):
+        lines += textwrap.wrap(f"at these seeds some flags cannot be reached: the smallest p_adj is for {why}, "
+                               f"not below {alpha:.2g}", width)
+    unjudged = flags["note"][flags["note"] != ""]
+    if not unjudged.empty:
+        lines += textwrap.wrap(f"{len(unjudged)} of {len(flags)} arms not fully judged, e.g. {unjudged.iloc[0]}",
+                               width)
+    return lines

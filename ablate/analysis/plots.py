@@ -17,6 +17,7 @@ last, and its title says how many it shows (:func:`_contexts`). A figure of 38 s
 from __future__ import annotations
 
 import textwrap
+import warnings
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -28,6 +29,7 @@ from ablate.analysis.frames import without_attrs
 
 import_extra("matplotlib", "Plots")
 
+import matplotlib  # noqa: E402
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
@@ -48,6 +50,8 @@ BASELINE_MARKERS: dict[str, str] = dict(zip(SELECTION_BASELINES, ("o", "D")))
 MAX_PANELS = 6
 #: The most contexts the step curves draw: each is a row of panels per logged key.
 MAX_STEP_CONTEXTS = 2
+#: The height a line of a figure's title takes (medium type, with its spacing), added to the figure.
+TITLE_LINE_INCHES = 0.2
 #: Past this many points in one axes, its legend goes beside the axes instead of the best place inside.
 BEST_LEGEND_POINTS = 300
 #: The colours a policy that declares none takes (ablate.policies.base.DERIVED_COLORS).
@@ -147,6 +151,7 @@ def plot_selection_effects(effects_table: pd.DataFrame, path_stem: str | Path, *
     panels, shown = _contexts(rows, keys)
     fig, axes = _panels(len(panels))
     policies = list(effects_table["policy"].unique())
+    fewest = effects_table.attrs.get("min_seeds", 2)
     for ax, (title, part) in zip(axes, panels):
         comparisons = list(dict.fromkeys(zip(part["effect"], part["policy"], part["baseline"])))
         budgets = sorted(part["budget"].unique())
@@ -154,7 +159,7 @@ def plot_selection_effects(effects_table: pd.DataFrame, path_stem: str | Path, *
         for i, (effect, policy, baseline) in enumerate(comparisons):
             sub = part[(part["effect"] == effect) & (part["policy"] == policy) & (part["baseline"] == baseline)]
             x = np.array([budgets.index(b) for b in sub["budget"]]) + (i - (len(comparisons) - 1) / 2) * width
-            # An interval the test cannot bound (too few seeds: -inf, inf) is drawn as no bar.
+            # A row with too few paired seeds has no interval: no bar, and its seed count beside the point.
             errors = np.nan_to_num(np.vstack([sub["mean"] - sub["ci_low"], sub["ci_high"] - sub["mean"]]),
                                    nan=0.0, posinf=0.0, neginf=0.0)
             color = policy_color(policy, policies)
@@ -164,9 +169,16 @@ def plot_selection_effects(effects_table: pd.DataFrame, path_stem: str | Path, *
             ax.errorbar(x, sub["mean"], yerr=errors, fmt=marker, capsize=3, color=color,
                         markerfacecolor="white" if matched else color,
                         linestyle="none", label=label)
+            for x_point, row in zip(x, sub.itertuples()):
+                if not np.isfinite(row.ci_low):
+                    ax.annotate(f"n={row.n_seeds}", (x_point, row.mean), textcoords="offset points", xytext=(5, -3),
+                                fontsize="xx-small", color=color)
             if policy_style(policy, policies) != "-":
                 ax.plot(x, sub["mean"], color=color, linestyle=policy_style(policy, policies), linewidth=0.8)
+        if not np.isfinite(part["ci_low"].to_numpy(dtype=float)).all():
+            ax.plot([], [], linestyle="none", label=f"no bar, n=k beside it: fewer than {fewest} paired seeds")
         ax.axhline(0.0, color="gray", linewidth=0.8)
+        ax.set_xlim(-0.5, len(budgets) - 0.35)  # room right of the last point for its seed count
         ax.set_xticks(range(len(budgets)), [f"{b:g}" for b in budgets])
         ax.set_xlabel("budget")
         ax.set_ylabel(f"difference in {outcome}")
@@ -178,8 +190,8 @@ def plot_selection_effects(effects_table: pd.DataFrame, path_stem: str | Path, *
     level = effects_table.attrs.get("level", 0.95)
     interval = {"exact": "inverting the exact sign-flip test", "t": "Student's t"}.get(
         effects_table.attrs.get("method", "exact"), f"{effects_table.attrs.get('method')} bootstrap")
-    _title(fig, f"selection effect (paired by seed; bars: {level:.0%} interval {interval}, unadjusted; hollow: "
-                f"against random at the same effective budget{shown})")
+    _title(fig, f"selection effects on {outcome} (paired by seed; bars: {level:.0%} interval {interval}, unadjusted; "
+                f"hollow: against random at the same effective budget{shown})")
     return _save(fig, path_stem)
 
 
@@ -252,6 +264,7 @@ def plot_step_curves(
     if not keys or steps.empty:
         fig = _figure()
         fig.add_subplot().text(0.5, 0.5, f"none of {list(STEP_KEYS)} were logged", ha="center")
+        _title(fig, "per-step curves (nothing to draw)")
         return _save(fig, path_stem)
     t = import_extra("scipy.stats", "the step curves' intervals").t
     contexts, shown = _contexts(steps, list(by), MAX_STEP_CONTEXTS)
@@ -271,9 +284,9 @@ def plot_step_curves(
             per_step["low"], per_step["high"] = per_step["mean"] - half, per_step["mean"] + half
             for i_budget, budget in enumerate(budgets):
                 ax = axes[i_key * len(contexts) + i_ctx, i_budget]
-                shown = per_step[per_step["policy"].isin(FIXED_BUDGET_POLICIES) | (per_step["budget"] == budget)]
-                for policy in order_policies(shown["policy"].unique()):
-                    curve = shown[shown["policy"] == policy].sort_values("step")
+                arms = per_step[per_step["policy"].isin(FIXED_BUDGET_POLICIES) | (per_step["budget"] == budget)]
+                for policy in order_policies(arms["policy"].unique()):
+                    curve = arms[arms["policy"] == policy].sort_values("step")
                     color, style = policy_color(policy, policies), policy_style(policy, policies)
                     smooth = {column: curve[column].rolling(window, center=True, min_periods=1).mean()
                               for column in ("mean", "low", "high")}
@@ -286,8 +299,8 @@ def plot_step_curves(
                 ax.set_xlabel("step")
                 ax.set_ylabel(key)
                 _legend(ax, "xx-small")
-    _title(fig, f"mean over seeds; bold: moving average over {window} step(s), faint: raw; band: {level:.0%} "
-                f"t interval of the mean over seeds at each step (pointwise), smoothed alike{shown}")
+    _title(fig, f"{' and '.join(keys)} per step (mean over seeds; bold: moving average over {window} step(s), "
+                f"faint: raw; band: {level:.0%} t interval of the mean over seeds at each step, smoothed alike{shown})")
     return _save(fig, path_stem)
 
 
@@ -304,8 +317,18 @@ def _legend(ax: Any, fontsize: str) -> None:
 
 
 def _title(fig: Figure, text: str) -> None:
-    """The figure's title, wrapped to its width (about 13 characters an inch at this size), never cut."""
-    fig.suptitle(textwrap.fill(text, max(40, int(fig.get_figwidth() * 13))), fontsize="medium")
+    """The figure's title, wrapped to its width (about 13 characters an inch at this size), never cut.
+
+    The figure grows by the title's lines, so that the title never takes its height from the panels: a
+    narrow figure (one budget's step curves) with a title of several lines had panels of no height."""
+    wrapped = textwrap.fill(text, max(40, int(fig.get_figwidth() * 13)), break_long_words=False)
+    fig.set_figheight(fig.get_figheight() + TITLE_LINE_INCHES * (wrapped.count("\n") + 1))
+    fig.suptitle(wrapped, fontsize="medium")
+
+
+def title_of(fig: Figure) -> str:
+    """The title :func:`_title` gave ``fig``, in one line (as each saved file records it)."""
+    return fig.get_suptitle().replace("\n", " ")
 
 
 def _contexts(frame: pd.DataFrame, keys: list[str],
@@ -361,12 +384,24 @@ def _save(fig: Figure, path_stem: str | Path) -> list[Path]:
     paths = []
     for fmt in FORMATS:
         path = stem.with_name(f"{stem.name}.{fmt}")
-        # The temporary file's name does not end in the format, so it is given.
-        with naming(path):
-            atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format=fmt))
+        # The temporary file's name does not end in the format, so it is given. Each file records the title
+        # (PNG: a text chunk, SVG: its <title>, no date, so a figure drawn again is the same file), and an
+        # SVG keeps its text as text.
+        metadata = {"Title": title_of(fig), **({"Date": None} if fmt == "svg" else {})}
+        with naming(path), matplotlib.rc_context({"svg.fonttype": "none"}), \
+                warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format=fmt, metadata=metadata))
+        if any("constrained_layout" in str(warning.message) for warning in said):
+            warnings.warn(f"{path.name}: its panels did not fit the figure, drawn without a layout (some text may "
+                          "overlap)", FigureLayoutWarning, stacklevel=2)
         paths.append(path)
         _freeze(fig)
     return paths
+
+
+class FigureLayoutWarning(UserWarning):
+    """A figure whose panels did not fit: said once, in ablate's words, where matplotlib's warning was not."""
 
 
 def _freeze(fig: Figure) -> None:

@@ -16,11 +16,14 @@ import pandas as pd
 from ablate.analysis.compact import compact_effects, compact_plan, compact_summary, fit
 from ablate.analysis.compute import SweepAnalysis, extension
 from ablate.analysis.export import to_markdown
-from ablate.analysis.flags import smallest_p_adj
+from ablate.analysis.flags import flags_text
 from ablate.analysis.stats import min_achievable_pvalue
-from ablate.analysis.verdict import render
+from ablate.analysis.verdict import introduction, legend, render
 from ablate.analysis.writer import Written
 
+#: What an effect row needs, said where a sweep has none yet (one stopped early, one of a single arm).
+NO_EFFECTS = ("replay needs cells of none and full, the budget cells of random and none, a selection cells of the "
+              "policy and random at one budget, each with the same seeds")
 #: Columns of a comparison table that only ``--wide`` prints.
 COMPARE_DETAIL = ("ci_low", "ci_high", "p_value", "margin", "p_equiv", "p_equiv_adj", "prob_improvement",
                   "share_improved", "sd_diff", "note", "pooled", "family")
@@ -59,13 +62,7 @@ class Printer:
             self.wrapped("- effective_budget: the share of routes that replay changed (replayed routes whose "
                          "experts differ from the native ones), mean over seeds")
             self.line(f"\n## effects on {outcome} (paired by seed)\n")
-            for bullet in effects_legend(tables.effects, compact=not self.wide):
-                self.wrapped(bullet)
-            self.line()
-            if self.wide:
-                self.line(to_markdown(tables.effects, escape_html=False))
-            else:
-                self.by_family(tables.effects)
+            self.effects(tables.effects)
             if plan:
                 self.line()
                 self.wrapped(f"## power and seeds for {outcome} (80% power, exact sign-flip test simulated, each "
@@ -89,27 +86,43 @@ class Printer:
         if written.report is not None:
             self.line(f"report: {written.report}")
 
+    def effects(self, effects: pd.DataFrame) -> None:
+        """The legend and the effects, compact by family (``wide``: every column); with no rows, what a row
+        needs instead (a legend without a table would explain nothing)."""
+        if effects.empty:
+            self.wrapped(f"no effect rows: {NO_EFFECTS}")
+            return
+        for bullet in effects_legend(effects, compact=not self.wide):
+            self.wrapped(bullet)
+        self.line()
+        if self.wide:
+            self.line(to_markdown(effects, escape_html=False))
+        else:
+            self.by_family(effects)
+
     def by_family(self, effects: pd.DataFrame) -> None:
         """The compact effects, one table per family under its name and size: the family a verdict
         line cites is the heading its row stands under."""
         view = compact_effects(effects)
         families = sorted(effects.attrs["families"].items(), key=lambda item: family_order(item[0]))
         family_of_row = effects["family"].to_numpy()
-        for i, (family, size) in enumerate(families):
+        shown = [(family, size) for family, size in families if (family_of_row == family).any()]
+        for i, (family, size) in enumerate(shown):
             rows = view[family_of_row == family].drop(columns="family")
             self.line(("" if i == 0 else "\n") + f"{family} ({size} test{'s' if size != 1 else ''})")
             self.line(fit(rows, self.width))
 
     def verdict(self, result: SweepAnalysis) -> None:
         self.line("\n## verdict: budget or selection? (the effects tables below, read aloud)\n")
-        level = result.settings.level
-        self.wrapped(f"Each answer reads its rows' claims (differs: p_adj < {1 - level:.2g}; within ±margin: the "
-                     "equivalence test) and cites them: effect policy-baseline: mean [interval adjusted to the "
-                     "row's family], p_adj, family.")
+        self.wrapped(introduction())
         self.line()
         lines = render(result.verdict, result.margins, width=self.width)
-        for line in lines or ["no effect rows to read: the sweep needs none, full and random arms"]:
+        for line in lines:
             self.line(line)
+        if any(answer.evidence for answer in result.verdict):
+            self.line("\nnotes on the answers:")
+            for bullet in legend(result.settings.level, result.settings.needed):
+                self.wrapped(bullet)
         if result.not_logged:
             self.line(f"(not analysed: {', '.join(result.not_logged)}, which no cell logged)")
 
@@ -154,7 +167,9 @@ def effects_legend(table: pd.DataFrame, *, compact: bool = True) -> list[str]:
         lines.append(f"- ci_low/ci_high: UNADJUSTED {level} interval of the mean difference; it {interval}")
     lines += [
         f"- ci_adj_low/ci_adj_high: {level} interval ADJUSTED to the row's family, as p_adj (it excludes 0 exactly "
-        f"when p_adj < {alpha}; -inf/inf: these seeds or this family allow no claim)",
+        f"when p_adj < {alpha}; -inf/inf: a family this large, or a primary gate not reached, allows these seeds no "
+        f"claim; empty: fewer than {attrs['min_seeds']} paired seeds, too few for any interval, the note saying "
+        "why, such as seeds dropped)",
         f"- p_value: two-sided exact sign-flip test; p_adj: {ADJUSTMENTS[attrs['adjust']]} within each family"
         + (", primary gates by serial gatekeeping in the order given" if attrs["primary"] else ""),
         "- families: each table below is one, under its name and size" if compact else
@@ -181,38 +196,4 @@ def effects_legend(table: pd.DataFrame, *, compact: bool = True) -> list[str]:
     if compact:
         lines.append("- every column (unadjusted intervals, p_value, equivalence p, prob_improvement, notes) is in "
                      "the effects file and printed with --wide")
-    return lines
-
-
-def flags_text(flags: pd.DataFrame, width: int = 100) -> list[str]:
-    """The flags that fired, or why none could: the lines of the flags section."""
-    if flags.empty:
-        return ["no arms to judge"]
-    fired = flags[flags["too_restrictive"] | flags["too_weak"]]
-    keys = list(flags.attrs.get("by", []))
-    alpha = 1.0 - flags.attrs["level"]
-    lines = []
-    asked = {kind: counts for kind, counts in flags.attrs["questions"].items() if counts[0]}
-    unreachable = {kind: smallest_p_adj(questions, smallest, flags.attrs["adjust"])
-                   for kind, (questions, _, smallest) in asked.items()}
-    unreachable = {kind: best for kind, best in unreachable.items() if best >= alpha}
-    why = ", ".join(f"a '{kind}' question {best:.2g} ({asked[kind][0]} questions, each at best p "
-                    f"{asked[kind][2]:.2g})" for kind, best in unreachable.items())
-    seeds = max((counts[1] for counts in asked.values()), default=0)
-    if not fired.empty:
-        lines.append(fit(fired[[*keys, "policy", "budget", "reason"]], width))
-    elif unreachable and len(unreachable) == len(asked):
-        lines += textwrap.wrap(
-            f"no flag can be reached at these seeds ({seeds} paired with none): after {flags.attrs['adjust']} "
-            f"over the questions of a context, the smallest p_adj is for {why}; a flag needs it below "
-            f"{alpha:.2g}, so more seeds, or fewer arms per context, are needed before an arm can be flagged", width)
-    else:
-        lines.append("no arm flagged as too restrictive or too weak")
-    if unreachable and (not fired.empty or len(unreachable) < len(asked)):
-        lines += textwrap.wrap(f"at these seeds some flags cannot be reached: the smallest p_adj is for {why}, "
-                               f"not below {alpha:.2g}", width)
-    unjudged = flags["note"][flags["note"] != ""]
-    if not unjudged.empty:
-        lines += textwrap.wrap(f"{len(unjudged)} of {len(flags)} arms not fully judged, e.g. {unjudged.iloc[0]}",
-                               width)
     return lines

@@ -22,9 +22,9 @@ import pandas as pd
 from ablate.analysis.compact import compact_effects, compact_summary
 from ablate.analysis.compute import SweepAnalysis
 from ablate.analysis.export import text_cells
-from ablate.analysis.printer import flags_text
+from ablate.analysis.flags import flags_text
 from ablate.analysis.signflip import DRAWS, EXACT_MAX_N
-from ablate.analysis.verdict import across_contexts, heading
+from ablate.analysis.verdict import across_contexts, heading, introduction, legend
 from ablate.store import atomic_write
 
 _STYLE = """
@@ -90,8 +90,18 @@ def _table(frame: pd.DataFrame) -> str:
 
 
 def _figure(image: Path) -> str:
+    """An image with its file's name as its alternative text and its title (what it draws) as its caption."""
     name = html.escape(Path(image).stem)
-    return f'<figure><img alt="{name}" src="{image_uri(image)}"><figcaption>{name}</figcaption></figure>'
+    caption = html.escape(figure_title(image) or Path(image).stem)
+    return f'<figure><img alt="{name}" src="{image_uri(image)}"><figcaption>{caption}</figcaption></figure>'
+
+
+def figure_title(image: Path) -> str:
+    """The title a PNG of :mod:`ablate.analysis.plots` records ("" for a PNG without one)."""
+    from PIL import Image  # matplotlib's own image library: a figure exists only where it is installed
+
+    with Image.open(image) as png:
+        return str(png.text.get("Title", ""))
 
 
 def verdict_html(result: SweepAnalysis) -> str:
@@ -122,10 +132,12 @@ def write_report(path: Path, result: SweepAnalysis, *, sweep: str, design: Seque
     parts = [f"<h1>Sweep {html.escape(sweep)}</h1>", "<ul>"]
     parts += [f"<li>{html.escape(line)}</li>" for line in design]
     parts.append("</ul>")
-    parts.append("<h2>Verdict: budget or selection?</h2><p>The effects tables below, read aloud. Each answer reads "
-                 "its rows' claims (differs: p_adj below alpha; within ±margin: the equivalence test) and cites "
-                 "them: effect policy-baseline: mean [interval adjusted to the row's family], p_adj, family.</p>")
+    parts.append(f"<h2>Verdict: budget or selection?</h2><p>{html.escape(introduction())}</p>")
     parts.append(verdict_html(result))
+    if any(answer.evidence for answer in result.verdict):
+        notes = legend(result.settings.level, result.settings.needed)
+        parts.append("<p>Notes on the answers:</p><ul>" + "".join(f"<li>{html.escape(note.removeprefix('- '))}</li>"
+                                                                  for note in notes) + "</ul>")
     for outcome, tables in result.outcomes.items():
         effect_table = tables.effects
         parts.append(f"<h2>{html.escape(outcome)}</h2>")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, Mapping, Sequence
 
 from ablate.analysis.declared import declared_of
+from ablate.analysis.selectors import parse_selector
 from ablate.analysis.stats import ADJUSTMENTS, Adjustment, min_seeds_for_interval
 
 IntervalMethod = Literal["exact", "t", "percentile", "BCa"]
@@ -39,7 +40,7 @@ class AnalysisSettings:
       exact sign-flip test can reach ``p < alpha`` (6 at 0.95).
     - ``adjust``: multiplicity adjustment within each family: Holm (family-wise error), BH
       (false discovery rate) or none.
-    - ``primary``: ordered primary questions (row selectors, :mod:`ablate.analysis.families`),
+    - ``primary``: ordered primary questions (row selectors, :mod:`ablate.analysis.selectors`),
       tested by serial gatekeeping before anything else; the rest is exploratory. None (the
       default): the questions the sweep file declared (``analysis.primary``), none for a frame
       that carries no declaration; ``()`` asks none.
@@ -105,8 +106,6 @@ class AnalysisSettings:
         The one place the library and the command line read a sweep's declaration from, so that
         both compute the same tables; applying it twice changes nothing.
         """
-        from ablate.analysis.families import parse_selector
-
         declared = declared_of(frame)
         primary = self.primary
         if primary is None:

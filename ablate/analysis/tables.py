@@ -27,6 +27,7 @@ Every interval is reproducible: each table row draws from its own generator, see
 from __future__ import annotations
 
 import math
+import re
 import zlib
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterable, Mapping, Sequence
@@ -373,9 +374,19 @@ def pooled_rows(settings: RowSettings, prefix: dict[str, Any], block: list[dict[
         budgets = ", ".join(f"{row['budget']:g}" for row in rows)
         notes = [f"pooled over budgets {budgets}"]
         if dropped:
-            notes.append(f"{dropped} seed(s) missing at some budget, dropped")
+            union = set().union(*(set(row["_by_seed"]) for row in rows))
+            notes.append(_missing_note(dropped, [row for row in rows if set(row["_by_seed"]) != union]))
         pooled.append(effect_row(settings, prefix, kind, policy, baseline, None, seeds, a, b, notes, pooled=True))
     return pooled
+
+
+def _missing_note(dropped: int, short: list[dict[str, Any]]) -> str:
+    """The pooled row's note on the seeds it drops: at which budgets they were missing, and why (those
+    rows' own notes), so that a row with fewer seeds than its arms says where they went."""
+    budgets = ", ".join(f"{row['budget']:g}" for row in short)
+    reasons = dict.fromkeys(match.group(1) for row in short for part in row["note"].split("; ")
+                            if (match := re.fullmatch(r"\d+ seed\(s\) (.+), dropped", part)))
+    return f"{dropped} seed(s) dropped, missing at budget {budgets}" + (f": {'; '.join(reasons)}" if reasons else "")
 
 
 def _budgeted_arms(arms: Arms) -> list[tuple[str, float]]:

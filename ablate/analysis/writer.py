@@ -13,6 +13,7 @@ from typing import Any
 from ablate.analysis.compute import SweepAnalysis
 from ablate.analysis.export import export_table
 from ablate.analysis.extras import MissingExtraError
+from ablate.analysis.report import write_report
 from ablate.analysis.writing import file_part, naming, remove_dead_writers_files
 from ablate.store import atomic_write, make_directory
 
@@ -58,8 +59,6 @@ def write_outputs(result: SweepAnalysis, out: Path, *, plots: bool = True, repor
             curves = drawing.plot_collapse_survival(times, out / "collapse_survival", by=result.keys)
             written.images.setdefault("", []).extend(_png(curves))
     if report:
-        from ablate.analysis.report import write_report
-
         with naming(out / "report.html"):
             written.report = write_report(out / "report.html", result, sweep=sweep, design=report_design or [],
                                           images=written.images)
