@@ -72,7 +72,7 @@ class HydraJob:
                 Singleton.set_state(self.singleton_state)
                 # set_state scans Hydra's plugins again, and Hydra's launcher plugins store their configs
                 # under the names ablate's launchers took (submitit_local's has no n_jobs): take them back.
-                from hydra_plugins.ablate_launchers.launchers import register_configs
+                from ablate.launchers.configs import register_configs
 
                 register_configs()
                 sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(self.overrides))

@@ -407,8 +407,16 @@ class PartialReplay:
         return torch.cat(parts), slice(layout.tp_rank * rows, (layout.tp_rank + 1) * rows)
 
     def _assembled(self, parts: Tensor) -> Tensor:
-        """A tensor whose rows each tensor-parallel rank wrote for its own slice, whole on every rank."""
-        return ranks.sum_disjoint(parts, [self._layout.tp_group]) if self._layout.sliced else parts
+        """A tensor whose rows each tensor-parallel rank wrote for its own slice, whole on every rank.
+
+        The native buffer holds expert id + 1 (0: not written); :func:`ranks.sum_disjoint` takes ids
+        with -1 where a rank wrote nothing, so the ids travel shifted down and come back shifted up.
+        """
+        if not self._layout.sliced:
+            return parts
+        if parts.is_floating_point():
+            return ranks.sum_disjoint(parts, [self._layout.tp_group])
+        return ranks.sum_disjoint(parts - 1, [self._layout.tp_group]).add_(1)
 
     def _offsets_for(self, rows: int) -> Tensor:
         if self._offsets is None:

@@ -1,79 +1,21 @@
-"""ablate's launchers, on Hydra's public ``Launcher`` interface, and the configs that select them.
+"""ablate's launchers, on Hydra's public ``Launcher`` interface.
 
 In ablate's app, ``hydra/launcher=local`` (and ``joblib``, its other name), ``ray`` and
-``submitit_local`` select these launchers (:func:`register_configs`); the work is in
+``submitit_local`` select these launchers (:mod:`ablate.launchers.configs`); the work is in
 :mod:`ablate.launchers`, one module per library, imported when a launch starts. Each keeps the
 promises of a sweep (``docs/launchers.md``): a signal ends the running cells as interrupted, a dead
 worker fails its own cell only. Their settings are those of Hydra's launchers of the same names,
 which ablate's app no longer selects; joblib's own settings, other than ``n_jobs``, do not apply.
-
-No ``from __future__ import annotations``: OmegaConf reads the configs' annotations as types.
 """
 
-from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from hydra.core.config_store import ConfigStore
 from hydra.core.utils import JobReturn
 from omegaconf import DictConfig, OmegaConf
 
 from ablate.launchers import jobs
-
-_HERE = "hydra_plugins.ablate_launchers.launchers"
-
-
-@dataclass
-class LocalLauncherConf:
-    _target_: str = f"{_HERE}.LocalLauncher"
-    #: Worker processes: a number, or -1 for one per core (-2: all but one, ...), as joblib reads it.
-    n_jobs: int = -1
-
-
-@dataclass
-class RayConf:
-    #: ``ray.init``'s arguments: ``address: null`` starts a local instance, ``auto`` or ``host:port`` joins a cluster.
-    init: Dict[str, Any] = field(default_factory=lambda: {"address": None})
-    #: Each cell's task options (``ray.remote``): ``num_cpus``, ``max_retries``, ...
-    remote: Dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class RayLauncherConf:
-    _target_: str = f"{_HERE}.RayLauncher"
-    ray: RayConf = field(default_factory=RayConf)
-
-
-@dataclass
-class SubmititLocalLauncherConf:
-    _target_: str = f"{_HERE}.SubmititLocalLauncher"
-    #: Cells running at once (null: one per core); submitit itself starts every job it is given at once.
-    n_jobs: Optional[int] = None
-    submitit_folder: str = "${hydra.sweep.dir}/.submitit/%j"
-    #: A job's time limit, in minutes.
-    timeout_min: int = 60
-    cpus_per_task: Optional[int] = None
-    gpus_per_node: Optional[int] = None
-    tasks_per_node: int = 1
-    mem_gb: Optional[int] = None
-    nodes: int = 1
-    name: str = "${hydra.job.name}"
-    stderr_to_stdout: bool = False
-
-
-#: The ``hydra/launcher`` options ablate's app selects: its own launchers under Hydra's names.
-CONFIGS = {"local": LocalLauncherConf, "joblib": LocalLauncherConf, "ray": RayLauncherConf,
-           "submitit_local": SubmititLocalLauncherConf}
-
-
-def register_configs() -> None:
-    """Make ``hydra/launcher=<name>`` select ablate's launchers (:data:`CONFIGS`).
-
-    Called once Hydra has scanned its plugins (from ablate's search-path plugin), so these
-    entries replace those that Hydra's own joblib, Ray and submitit plugins registered under the
-    same names, whichever of them is installed.
-    """
-    for name, node in CONFIGS.items():
-        ConfigStore.instance().store(group="hydra/launcher", name=name, node=node, provider="ablate")
+from ablate.launchers.configs import (  # noqa: F401 (the configs and their registration, as Hydra finds them here)
+    CONFIGS, LocalLauncherConf, RayConf, RayLauncherConf, SubmititLocalLauncherConf, register_configs)
 
 
 class LocalLauncher(jobs.AblateLauncher):

@@ -4,7 +4,7 @@
   ``hydra.searchpath`` in ``conf/config.yaml``: Hydra lists the groups of ``--help`` from the
   search path it starts with, before it reads the primary config.
 - ablate's launchers as the ``hydra/launcher`` options ``local``, ``joblib``, ``ray`` and
-  ``submitit_local`` (:func:`hydra_plugins.ablate_launchers.launchers.register_configs`). Hydra's
+  ``submitit_local`` (:func:`ablate.launchers.configs.register_configs`). Hydra's
   launcher plugins register configs under the same names when Hydra scans its plugins; a
   search-path plugin runs after that scan, so ablate's entries are the ones the app composes.
 
@@ -20,7 +20,7 @@ SWEEPS = "ablate-sweeps://ablate.sweeps"
 
 class AblateSweepsSearchPath(SearchPathPlugin):
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
-        from hydra_plugins.ablate_launchers.launchers import register_configs
+        from ablate.launchers.configs import register_configs
 
         paths = [element.path for element in search_path.get_path()]
         if APP_CONFIGS in paths:
