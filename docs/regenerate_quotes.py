@@ -410,12 +410,16 @@ def store_across(capture: Capture) -> str:
 BUDGET_SELECTION = f"{ANALYSE} runs/budget_selection"
 
 
-def budget_selection_run(capture: Capture) -> str:
-    sweep, analysis = capture.runs[0], capture.run(BUDGET_SELECTION)
-    tally = next(line for line in sweep.stdout.splitlines() if " complete, " in line)
-    return (f"Run at commit `{commit_of(capture)}`, analysed on {capture.header['date']} ({capture.header['machine']}"
-            f"). The sweep printed `{tally}`{_load(sweep).replace(', load', ' (load')}{')' if sweep.load else ''}; "
-            f"the analysis took {analysis.seconds:.0f} s.")
+def sweep_run(analysis: str) -> Callable[[Capture], str]:
+    """How a sweep source ran: its commit, the sweep's tally and load, the time of its analysis."""
+    def excerpt(capture: Capture) -> str:
+        sweep, analysed = capture.runs[0], capture.run(analysis)
+        tally = next(line for line in sweep.stdout.splitlines() if " complete, " in line)
+        return (f"Run at commit `{commit_of(capture)}`, analysed on {capture.header['date']} "
+                f"({capture.header['machine']}). The sweep printed `{tally}`"
+                f"{_load(sweep).replace(', load', ' (load')}{')' if sweep.load else ''}; "
+                f"the analysis took {analysed.seconds:.0f} s.")
+    return excerpt
 
 
 def budget_selection_answers(capture: Capture) -> str:
@@ -430,14 +434,6 @@ def budget_selection_verdict(capture: Capture) -> str:
 
 
 VARIANTS = f"{ANALYSE} runs/variants"
-
-
-def variants_run(capture: Capture) -> str:
-    sweep, analysis = capture.runs[0], capture.run(VARIANTS)
-    tally = next(line for line in sweep.stdout.splitlines() if " complete, " in line)
-    return (f"Run at commit `{commit_of(capture)}`, analysed on {capture.header['date']} ({capture.header['machine']}"
-            f"). The sweep printed `{tally}`{_load(sweep).replace(', load', ' (load')}{')' if sweep.load else ''}; "
-            f"the analysis took {analysis.seconds:.0f} s.")
 
 
 def variants_verdict(capture: Capture) -> str:
@@ -522,13 +518,13 @@ EXCERPTS: dict[str, Callable[[Capture], str]] = {
     "demo:extension": demo_extension,
     "tuning:study": tuning_study,
     "store_10k:across": store_across,
-    "budget_selection:run": budget_selection_run,
+    "budget_selection:run": sweep_run(BUDGET_SELECTION),
     "budget_selection:answers": budget_selection_answers,
     "budget_selection:verdict": budget_selection_verdict,
     "budget_selection:effective-budgets": budget_selection_effective,
     "budget_selection:rows-kl_k3_mean": budget_selection_rows("kl_k3_mean"),
     "budget_selection:rows-final_reward": budget_selection_rows("final_reward"),
-    "variants:run": variants_run,
+    "variants:run": sweep_run(VARIANTS),
     "variants:verdict": variants_verdict,
     "variants:arms": variants_arms,
 }
