@@ -390,7 +390,8 @@ def cli_error_of(prefix: str) -> Callable[[Capture], str]:
     """The last line a refused command printed, after the command as typed."""
     def excerpt(capture: Capture) -> str:
         run = capture.run(prefix)
-        return f"At commit `{commit_of(capture)}`:\n\n" + fenced(f"$ {run.command}\n{run.stderr.strip().splitlines()[-1]}")
+        last = run.stderr.strip().splitlines()[-1]
+        return f"At commit `{commit_of(capture)}`:\n\n" + fenced(f"$ {run.command}\n{last}")
     return excerpt
 
 
