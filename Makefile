@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(BIN)/python -m ablate.analysis runs/smoke --reps 1000
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" --durations=15
+	$(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadgroup --durations=15
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow -n 2 --dist loadgroup --durations=25 || test $$? -eq 5  # 5: no slow test collected

@@ -29,7 +29,7 @@ tiny=(backend.steps=4 backend.layers=2 backend.experts=4 backend.d_model=16 back
 echo "== ablate --help (installed, from $PWD)"
 "$bin/ablate" --help > help.txt
 grep -q "^backend: noop, synthetic, .*synthetic_async.*, verl, verl_cpu$" help.txt
-grep -qx "policy: fisher, full, mismatch, none, random, uniform" help.txt
+grep -qx "policy: fisher, full, mismatch, none, random, threshold, uniform" help.txt
 grep -q "^sweeps: .*budget_selection.*smoke" help.txt
 
 echo "== one cell"
