@@ -387,6 +387,11 @@ def test_runs_record_the_repository_commit_with_git_asked_once_per_process(
     monkeypatch.chdir(repo)
     monkeypatch.delenv("WANDB_DISABLE_GIT", raising=False)  # the tests' default: W&B records no git
     _git_state.cache_clear()
+    # W&B asks git for the root once per process, when its settings first load (for the program's
+    # path): load them before counting, as an earlier cell of a worker would have.
+    import wandb
+
+    wandb.setup()
     gits: list[list[str]] = []
     popen = subprocess.Popen.__init__
 

@@ -296,10 +296,13 @@ def git_settings(directory: str) -> dict[str, Any]:
     """The git state W&B records in each run (repository root, remote URL, commit), read once per
     process and working directory by W&B's own reader: given none, W&B asks git for it in four
     subprocesses per run, a quarter of a cell's W&B start-up. A worker's cells run the code it
-    imported, so the commit it saw first is theirs. Outside a repository, W&B's lookups are off;
-    where the user turned them off or chose the root (``WANDB_DISABLE_GIT``, ``WANDB_GIT_ROOT``),
-    W&B is left to it."""
-    if wandb.env.disable_git() or os.environ.get(wandb.env.GIT_ROOT):
+    imported, so the commit it saw first is theirs. Outside a repository, W&B's lookups are off.
+    Where the user turned them off (``WANDB_DISABLE_GIT``) each run is told so: W&B reads that
+    variable once per process, when its settings first load. Where the user chose the root
+    (``WANDB_GIT_ROOT``), W&B is left to it."""
+    if wandb.env.disable_git():
+        return {"disable_git": True}
+    if os.environ.get(wandb.env.GIT_ROOT):
         return {}
     return _git_state(directory)
 
